@@ -1,0 +1,22 @@
+# reprorl: config validation, one include per stage, and the targets.
+# Run:   snakemake --cores all                       (embedded default, configs/default.yaml)
+#        snakemake --cores all --configfile configs/ci.yaml
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "configs/default.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/data.smk"
+include: "rules/base_model.smk"
+include: "rules/audit.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.prepare.output,
+        rules.base_model.output,

@@ -1,0 +1,19 @@
+rule prepare:
+    # The corpus files under data/generated are deliberately not declared: Snakemake deletes a
+    # job's declared outputs before re-running it, and the corpus is preserved. The manifest
+    # lists every corpus file with its sha256; downstream rules depend on it and their stages
+    # verify each corpus file they read against it.
+    output:
+        audit="outputs/data-audit.json",
+        manifest="outputs/manifests/prepare.json",
+    log:
+        "logs/prepare.log",
+    benchmark:
+        "outputs/benchmarks/prepare.tsv"
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    params:
+        code=code_hash("prepare"),
+        config=stage_config_json(config, "prepare"),
+    shell:
+        "python -m reprorl prepare --config-json {params.config:q} > {log} 2>&1"

@@ -1,0 +1,293 @@
+"""The base model every role starts from: built here (embedded) or verified (local Qwen2.5).
+
+Embedded default (no hub access on this project's machines):
+1. a byte-level BPE tokenizer trained on the pretraining population, with Qwen's special tokens
+   appended after the learned vocabulary as Qwen does (`<|endoftext|>` pad, `<|im_start|>`,
+   `<|im_end|>` end of turn) and a Qwen-style chat template;
+2. a small `Qwen2ForCausalLM` (tied embeddings, grouped-query attention) pretrained with plain
+   next-token cross-entropy on that population, whose answers are independent of the situation.
+Both are saved as an ordinary Hugging Face directory and loaded downstream with
+`from_pretrained(..., local_files_only=True)`, exactly as a local Qwen2.5-0.5B-Instruct is.
+
+Local profile: the stage checks a user-provided directory against `model.expect` and stops with
+a message that says what differs and where the weights belong.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+from .corpus import pretraining_texts
+from .manifest import ReproError, atomic_directory, files_under, write_json
+
+SUMMARY_PATH = Path("outputs/base-model.json")
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SYSTEM_PROMPT = "You are a helpful assistant."
+# Qwen2.5's template, reduced to what this project uses (no tools): a default system turn,
+# then `<|im_start|>role\ncontent<|im_end|>\n` per message.
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ModelDirectoryError(ReproError):
+    """The base model directory is missing or is not the architecture the profile expects."""
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE over `texts`, specials appended after the learned ids (as in Qwen)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, IM_START, IM_END]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer)
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=32768,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    if len(tokenizer) != vocab_size:
+        raise ReproError(
+            f"the tokenizer has {len(tokenizer)} ids, not {vocab_size}: the pretraining text is "
+            "too small for that vocabulary; lower model.embedded.vocab_size"
+        )
+    return tokenizer
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# ---------------------------------------------------------------- embedded base
+
+
+def learning_rate(step: int, total: int, peak: float, warmup_ratio: float) -> float:
+    """Linear warm-up, then linear decay to 10 % of the peak."""
+    warmup = max(1, int(total * warmup_ratio))
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup - 1)
+    return peak * (1.0 - 0.9 * min(1.0, progress))
+
+
+def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> list[float]:
+    """Next-token cross-entropy on every non-pad token; returns the loss of each step."""
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    pad_id = tokenizer.pad_token_id
+    order_rng = torch.Generator().manual_seed(settings["shuffle_seed"])
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=settings["learning_rate"], weight_decay=settings["weight_decay"]
+    )
+    model.train()  # the embedded config has no dropout; train() only documents intent
+    order: list[int] = []
+    curve = []
+    started = time.perf_counter()
+    for step in range(settings["steps"]):
+        if len(order) < settings["batch_size"]:
+            order += torch.randperm(len(ids), generator=order_rng).tolist()
+        batch, order = order[: settings["batch_size"]], order[settings["batch_size"] :]
+        width = max(len(ids[i]) for i in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, index in enumerate(batch):  # right padding: positions stay 0..n-1
+            input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
+            mask[row, : len(ids[index])] = 1
+        labels = input_ids.masked_fill(mask == 0, -100)
+        lr = learning_rate(step, settings["steps"], settings["learning_rate"],
+                           settings["warmup_ratio"])
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        curve.append(float(loss.detach()))
+        if step % 50 == 0 or step == settings["steps"] - 1:
+            log(f"pretrain step {step + 1}/{settings['steps']} loss {curve[-1]:.4f} "
+                f"lr {lr:.2e} {time.perf_counter() - started:.0f}s")
+    model.eval()
+    return curve
+
+
+def build_embedded(config: dict, log=print) -> dict:
+    """Train the tokenizer, pretrain the model, save both into `model.path` atomically."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    size, settings = config["model"]["embedded"], config["model"]["pretrain"]
+    rows = pretraining_texts(settings["families"], settings["data_seed"])
+    tokenizer = train_tokenizer([f"{p}\n{r}" for p, r in rows], size["vocab_size"])
+    texts = [chat_prompt(tokenizer, prompt) + answer + IM_END for prompt, answer in rows]
+    longest = max(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    if longest > size["max_position_embeddings"]:
+        raise ReproError(f"a pretraining text has {longest} tokens, more than "
+                         "model.embedded.max_position_embeddings")
+    model_config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=size["hidden_size"],
+        intermediate_size=size["intermediate_size"],
+        num_hidden_layers=size["num_hidden_layers"],
+        num_attention_heads=size["num_attention_heads"],
+        num_key_value_heads=size["num_key_value_heads"],
+        max_position_embeddings=size["max_position_embeddings"],
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(size["init_seed"])
+    model = Qwen2ForCausalLM(model_config).to(torch.float32)
+    curve = pretrain(model, tokenizer, texts, settings, log)
+    model = model.to(getattr(torch, config["model"]["dtype"]))
+    model.generation_config.do_sample = False
+    with atomic_directory(config["model"]["path"]) as scratch:
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+    return {
+        "pretraining_texts": len(texts),
+        "pretraining_longest_tokens": longest,
+        "learning_curve": curve,
+        "first_loss": curve[0],
+        "last_loss": curve[-1],
+    }
+
+
+# ---------------------------------------------------------------- verification (both sources)
+
+
+def safetensors_headers(directory: Path) -> dict[str, dict]:
+    """Name -> {dtype, shape} of every stored tensor, read from headers without the weights."""
+    tensors: dict[str, dict] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        header.pop("__metadata__", None)
+        tensors.update(header)
+    return tensors
+
+
+def verify(config: dict) -> dict:
+    """Check a model directory against the profile; return what was found."""
+    model_cfg = config["model"]
+    directory, expect = Path(model_cfg["path"]), model_cfg["expect"]
+    where = (
+        f"Put the Hugging Face directory of the model at {directory}"
+        + (f" (revision {model_cfg['revision']})" if model_cfg["revision"] else "")
+        + " or point model.path at it."
+    )
+    if not (directory / "config.json").is_file():
+        raise ModelDirectoryError(f"no model at {directory} (config.json missing). {where}")
+    if not list(directory.glob("*.safetensors")):
+        raise ModelDirectoryError(f"{directory} has no .safetensors weights. {where}")
+    found = json.loads((directory / "config.json").read_text())
+    for key, value in expect.items():
+        if key in ("eos_token", "pad_token", "eos_token_id", "pad_token_id"):
+            continue
+        if found.get(key) != value:
+            raise ModelDirectoryError(
+                f"{directory}/config.json has {key}={found.get(key)!r}, the profile expects "
+                f"{value!r}: this is not the model the profile was written for. {where}"
+            )
+    stored = safetensors_headers(directory)
+    dtype_name = {"float32": "F32", "bfloat16": "BF16"}[model_cfg["dtype"]]
+    dtypes = sorted({entry["dtype"] for entry in stored.values()})
+    if dtypes != [dtype_name]:
+        raise ModelDirectoryError(
+            f"{directory} holds weights of dtypes {dtypes}, the profile expects only "
+            f"{dtype_name} (model.dtype={model_cfg['dtype']}). {where}"
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    with torch.device("meta"):  # shapes and counts without allocating a single weight
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    expected = {name: list(t.shape) for name, t in model.state_dict().items()}
+    if found.get("tie_word_embeddings"):
+        expected.pop("lm_head.weight", None)
+        stored.pop("lm_head.weight", None)  # some exports store the tied copy too
+    for name in sorted(set(expected) | set(stored)):
+        shape = stored.get(name, {}).get("shape")
+        if shape != expected.get(name):
+            raise ModelDirectoryError(
+                f"{directory}: tensor {name} is {shape or 'missing'} in the weights but "
+                f"{expected.get(name) or 'absent'} in the architecture of config.json. {where}"
+            )
+    parameters = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    names = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+    for key, value in {**ids, **names}.items():
+        if key in expect and expect[key] != value:
+            raise ModelDirectoryError(
+                f"the tokenizer in {directory} has {key}={value!r}, expected {expect[key]!r}. "
+                f"{where}"
+            )
+    if names != {"eos_token": IM_END, "pad_token": PAD}:
+        raise ModelDirectoryError(f"the tokenizer in {directory} must use {IM_END} as eos and "
+                                  f"{PAD} as pad, found {names}. {where}")
+    if tokenizer.chat_template is None:
+        raise ModelDirectoryError(f"the tokenizer in {directory} has no chat template. {where}")
+    return {
+        "architecture": {k: found.get(k) for k in (
+            "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings",
+            "max_position_embeddings")},
+        "dtype": model_cfg["dtype"],
+        "parameters": parameters,
+        **ids,
+        **names,
+        "vocabulary": len(tokenizer),
+        "files": sorted(p.name for p in files_under(directory)),
+    }
+
+
+def stage(config: dict, run, log=print) -> dict:
+    """Stage `base_model`: build (embedded) or verify (local), then summarise."""
+    directory = Path(config["model"]["path"])
+    if config["model"]["source"] == "embedded":
+        if directory.exists() and files_under(directory):
+            raise ReproError(
+                f"{directory} already holds files; the embedded base is rebuilt only into an "
+                "empty place: delete it, or run Snakemake, which clears a rule's outputs first"
+            )
+        built = build_embedded(config, log)
+        summary = {"source": "embedded", **verify(config), **built}
+        inputs, outputs = [], [directory]
+    else:
+        summary = {"source": "local", **verify(config)}
+        inputs, outputs = [directory], []
+    write_json(SUMMARY_PATH, summary)
+    compact = {k: v for k, v in summary.items() if k != "learning_curve"}
+    run.finish(inputs=inputs, outputs=[*outputs, SUMMARY_PATH], summary=compact)
+    return compact
+

@@ -1,0 +1,66 @@
+"""Command line: `reprorl <stage> --config configs/default.yaml` (or `--config-json` from rules).
+
+Each stage runs inside a `StageRun`, which writes the stage's manifest after its outputs. A
+`ReproError` (bad input, preserved artifact, failed check) prints one line and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from . import config as configuration
+from .codehash import STAGE_MODULES, code_hash
+from .manifest import ReproError, StageRun, audit_manifests
+
+# Stages whose module has a `stage(config, run, log)` entry; imported only when it runs.
+STAGES = {name: module for name, module in STAGE_MODULES.items() if name != "audit"}
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_stage(name: str, config: dict, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    subset = configuration.stage_config(config, name)
+    module = importlib.import_module(f"reprorl.{STAGES[name]}")
+    with StageRun(name, config=subset, code_hash=code_hash(name)) as run:
+        return module.stage(config, run, log=_log)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="reprorl", description=__doc__.splitlines()[0])
+    commands = top.add_subparsers(dest="command", required=True)
+    for name in STAGES:
+        sub = commands.add_parser(name, help=f"run stage {name}")
+        source = sub.add_mutually_exclusive_group(required=True)
+        source.add_argument("--config", help="YAML profile, e.g. configs/default.yaml")
+        source.add_argument("--config-json", help="validated config as JSON (used by rules)")
+        sub.add_argument("--threads", type=int, default=None, help="torch threads")
+    audit = commands.add_parser("audit", help="re-hash every file named by every manifest")
+    audit.add_argument("--manifests", default="outputs/manifests")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.command == "audit":
+            result = audit_manifests(args.manifests)
+        else:
+            if args.config:
+                config = configuration.load(args.config)
+            else:
+                config = configuration.validate(json.loads(args.config_json))
+            result = run_stage(args.command, config, args.threads or config["threads"])
+    except ReproError as error:
+        print(f"reprorl {args.command}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    _log(json.dumps(result, indent=1, sort_keys=True))
+    return 0

@@ -1,0 +1,254 @@
+"""Hashes, atomic writes, stage manifests, the preserved-artifact guard and the audit.
+
+Every artifact is written to a temporary name in its final directory and moved into place with
+`os.replace`, so a reader (or a crash) never sees a partial file under its final name.
+
+A stage manifest (`outputs/manifests/<stage>.json`) has two parts:
+- `hashed`: what must be identical when the stage is rebuilt from the same inputs (sha256 of every
+  input and output file, the code hash, the config subset, library versions);
+- `run`: what legitimately varies between runs (wall time, peak memory, host, start time).
+`audit_manifests` re-hashes every file named in `hashed` and stops at the first difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+MANIFEST_DIR = Path("outputs/manifests")
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake")
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)  # read once: mkstemp/mkdtemp create private files; finals get normal modes
+
+
+class ReproError(RuntimeError):
+    """A refusal with one clear message: what is wrong and what to do about it."""
+
+
+class PreservedArtifactError(ReproError):
+    """A stage was asked to overwrite an artifact that must be preserved."""
+
+
+class AuditError(ReproError):
+    """A file no longer has the sha256 its manifest recorded."""
+
+
+# ---------------------------------------------------------------- hashing
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def canonical_json(value: Any) -> str:
+    """The one serialisation that is hashed: sorted keys, no spaces, exact floats."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def sha256_json(value: Any) -> str:
+    return sha256_bytes(canonical_json(value).encode())
+
+
+def files_under(root: str | os.PathLike) -> list[Path]:
+    """Every regular file below `root`, in a stable order."""
+    return sorted(p for p in Path(root).rglob("*") if p.is_file())
+
+
+def hash_paths(paths: Iterable[str | os.PathLike]) -> dict[str, str]:
+    """sha256 of each file; a directory contributes each file under it."""
+    result: dict[str, str] = {}
+    for path in paths:
+        path = Path(path)
+        if path.is_dir():
+            for file in files_under(path):
+                result[file.as_posix()] = sha256_file(file)
+        elif path.is_file():
+            result[path.as_posix()] = sha256_file(path)
+        else:
+            raise ReproError(f"{path} is missing: it must exist before it can be hashed")
+    return dict(sorted(result.items()))
+
+
+# ---------------------------------------------------------------- atomic writes
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, 0o666 & ~_UMASK)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
+
+
+def write_json(path: str | os.PathLike, value: Any) -> Path:
+    """Human-readable, stable JSON (sorted keys, trailing newline), written atomically."""
+    return atomic_write_text(path, json.dumps(value, indent=1, sort_keys=True) + "\n")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as handle:
+        return json.load(handle)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a scratch directory that becomes `path` only if the block finishes.
+
+    The scratch directory sits beside `path` (same filesystem) so the final rename is atomic.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield scratch
+        if path.exists():
+            # Snakemake pre-creates the parent folders of declared outputs: an empty tree is
+            # replaced, anything holding a file is not.
+            if files_under(path):
+                raise PreservedArtifactError(f"{path} holds files already; it was not replaced")
+            shutil.rmtree(path)
+        for file in files_under(scratch):  # libraries writing into scratch may use mkstemp too
+            os.chmod(file, 0o666 & ~_UMASK)
+        os.chmod(scratch, 0o777 & ~_UMASK)
+        os.replace(scratch, path)
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch)
+
+
+# ---------------------------------------------------------------- stage manifests
+
+
+def library_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process and its finished children (CPU peak memory)."""
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, children) / 1024.0  # ru_maxrss is in KiB on Linux
+
+
+def manifest_path(stage: str) -> Path:
+    return MANIFEST_DIR / f"{stage}.json"
+
+
+class StageRun:
+    """Times a stage and, on success, writes its manifest last (after every output).
+
+    Usage:
+        with StageRun("prepare", config=subset, code_hash=h) as run:
+            ...write outputs...
+            run.finish(inputs=[...], outputs=[...], extra={...})
+    """
+
+    def __init__(self, stage: str, *, config: dict, code_hash: str):
+        self.stage, self.config, self.code_hash = stage, config, code_hash
+        self.started = 0.0
+        self.manifest: dict | None = None
+
+    def __enter__(self) -> StageRun:
+        self.started = time.perf_counter()
+        self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        return self
+
+    def finish(
+        self,
+        *,
+        inputs: Iterable[str | os.PathLike],
+        outputs: Iterable[str | os.PathLike],
+        summary: dict | None = None,
+        run_info: dict | None = None,
+    ) -> dict:
+        hashed = {
+            "stage": self.stage,
+            "code_sha256": self.code_hash,
+            "config": self.config,
+            "libraries": library_versions(),
+            "inputs": hash_paths(inputs),
+            "outputs": hash_paths(outputs),
+            "summary": summary or {},
+        }
+        run = {
+            "wall_seconds": round(time.perf_counter() - self.started, 3),
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            "started_at": self.started_at,
+            "host": platform.node(),
+            **(run_info or {}),
+        }
+        self.manifest = {"hashed": hashed, "hashed_sha256": sha256_json(hashed), "run": run}
+        write_json(manifest_path(self.stage), self.manifest)
+        return self.manifest
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None and self.manifest is None:
+            raise ReproError(f"stage {self.stage} ended without writing its manifest")
+
+
+# ---------------------------------------------------------------- audit
+
+
+def audit_manifests(directory: str | os.PathLike = MANIFEST_DIR) -> dict:
+    """Re-hash every input and output named by every manifest; fail at the first difference."""
+    manifests = sorted(Path(directory).glob("*.json"))
+    if not manifests:
+        raise AuditError(f"no manifest under {directory}: run a stage first")
+    checked = 0
+    for manifest in manifests:
+        content = read_json(manifest)
+        hashed = content["hashed"]
+        if sha256_json(hashed) != content["hashed_sha256"]:
+            raise AuditError(f"{manifest} was edited: its hashed section no longer matches")
+        for role in ("inputs", "outputs"):
+            for name, expected in hashed[role].items():
+                if not Path(name).is_file():
+                    raise AuditError(f"{name} ({role[:-1]} of {hashed['stage']}) is missing")
+                if sha256_file(name) != expected:
+                    raise AuditError(
+                        f"{name} differs from the sha256 recorded by {manifest} "
+                        f"({role[:-1]} of stage {hashed['stage']}): restore it or rerun the stage"
+                    )
+                checked += 1
+    return {"manifests": len(manifests), "files_checked": checked, "status": "PASS"}

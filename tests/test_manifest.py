@@ -1,0 +1,88 @@
+"""Atomic writes, manifests and the audit."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from reprorl.manifest import (
+    AuditError,
+    StageRun,
+    atomic_directory,
+    audit_manifests,
+    read_json,
+    sha256_json,
+    write_json,
+)
+
+
+def test_atomic_write_leaves_no_temporary_and_normal_mode(in_tmp):
+    write_json("out/a.json", {"b": 1, "a": [1.5]})
+    assert os.listdir("out") == ["a.json"]
+    assert read_json("out/a.json") == {"a": [1.5], "b": 1}
+    assert oct(os.stat("out/a.json").st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_atomic_directory_is_all_or_nothing(in_tmp):
+    with pytest.raises(RuntimeError):
+        with atomic_directory("model") as scratch:
+            (scratch / "half.bin").write_bytes(b"x")
+            raise RuntimeError("crash while building")
+    assert not Path("model").exists() and os.listdir(".") == []
+    Path("model/sub").mkdir(parents=True)  # empty tree, as Snakemake leaves it
+    with atomic_directory("model") as scratch:
+        (scratch / "w.bin").write_bytes(b"y")
+    assert Path("model/w.bin").read_bytes() == b"y"
+
+
+def _stage(name, outputs, inputs=()):
+    with StageRun(name, config={"k": 1}, code_hash="abc") as run:
+        for path, text in outputs.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        return run.finish(inputs=list(inputs), outputs=list(outputs))
+
+
+def test_manifest_separates_hashed_state_from_run_facts(in_tmp):
+    manifest = _stage("one", {"data/x.txt": "x"})
+    assert set(manifest["run"]) >= {"wall_seconds", "peak_rss_mb"}
+    assert "wall_seconds" not in json.dumps(manifest["hashed"])
+    assert manifest["hashed_sha256"] == sha256_json(manifest["hashed"])
+    again = _stage("one", {"data/x.txt": "x"})
+    assert again["hashed_sha256"] == manifest["hashed_sha256"]  # timings do not enter it
+
+
+def test_audit_passes_then_names_the_tampered_file(in_tmp):
+    _stage("one", {"data/x.txt": "x", "data/y.txt": "y"})
+    _stage("two", {"out/z.txt": "z"}, inputs=["data/y.txt"])
+    assert audit_manifests()["files_checked"] == 4
+    Path("data/y.txt").write_text("tampered")
+    with pytest.raises(AuditError, match="data/y.txt differs .*stage one"):
+        audit_manifests()
+
+
+def test_audit_detects_an_edited_manifest_and_a_missing_file(in_tmp):
+    _stage("one", {"data/x.txt": "x"})
+    path = Path("outputs/manifests/one.json")
+    content = read_json(path)
+    content["hashed"]["outputs"]["data/x.txt"] = "0" * 64
+    write_json(path, content)
+    with pytest.raises(AuditError, match="was edited"):
+        audit_manifests()
+    _stage("one", {"data/x.txt": "x"})
+    Path("data/x.txt").unlink()
+    with pytest.raises(AuditError, match="data/x.txt .* is missing"):
+        audit_manifests()
+
+
+def test_stage_without_manifest_is_an_error(in_tmp):
+    with pytest.raises(RuntimeError, match="without writing its manifest"):
+        with StageRun("x", config={}, code_hash="h"):
+            pass

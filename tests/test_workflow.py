@@ -1,0 +1,129 @@
+"""End to end: the real Snakemake DAG on configs/ci.yaml in a temporary copy.
+
+One module-scoped run builds everything; the tests then probe no-op reruns, the audit, code-edit
+invalidation, preserved artifacts and config errors against it.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import copy_workflow, reprorl, snakemake
+from reprorl.manifest import read_json, sha256_file
+
+pytestmark = pytest.mark.e2e
+
+
+def run(workdir: Path, *args: str, check: bool = True):
+    """Snakemake on the CI profile (the config file goes last: it takes several values)."""
+    return snakemake(workdir, *args, "--configfile", "configs/ci.yaml", check=check)
+
+
+@pytest.fixture(scope="module")
+def workflow(tmp_path_factory):
+    workdir = copy_workflow(tmp_path_factory.mktemp("e2e") / "wf")
+    run(workdir)
+    return workdir
+
+
+def planned_rules(workdir: Path, *args: str) -> set[str]:
+    """Rules a dry run would execute."""
+    out = run(workdir, "-n", *args).stdout
+    return set(re.findall(r"^(?:local)?rule (\w+):", out, flags=re.M)) - {"all"}
+
+
+def test_full_run_outputs(workflow):
+    audit = read_json(workflow / "outputs/data-audit.json")
+    assert audit["pairs_by_split"] == {"train": 840, "validation": 180, "test": 180}
+    assert (workflow / "assets/model/model.safetensors").is_file()
+    for stage in ("prepare", "base_model"):
+        manifest = read_json(workflow / f"outputs/manifests/{stage}.json")
+        assert manifest["hashed"]["code_sha256"] and manifest["run"]["wall_seconds"] >= 0
+        assert (workflow / f"outputs/benchmarks/{stage}.tsv").is_file()
+        assert (workflow / f"logs/{stage}.log").is_file()
+    curve = read_json(workflow / "outputs/base-model.json")["learning_curve"]
+    assert len(curve) == 20
+
+
+def test_noop_rerun_plans_nothing(workflow):
+    out = run(workflow).stdout + run(workflow, "-n").stdout
+    assert "Nothing to be done" in out
+
+
+def test_audit_target_passes(workflow):
+    run(workflow, "audit")
+    assert '"status": "PASS"' in (workflow / "logs/audit.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "module, expected",
+    [
+        ("base_model.py", {"base_model"}),
+        ("rubric.py", {"prepare", "base_model"}),  # base_model's pretraining text uses it
+        ("cli.py", set()),
+    ],
+)
+def test_code_edit_reruns_exactly_the_dependents(workflow, module, expected):
+    path = workflow / "src/reprorl" / module
+    original = path.read_text()
+    try:
+        path.write_text(original + "\n# an edit\n")
+        assert planned_rules(workflow) == expected
+    finally:
+        path.write_text(original)
+    assert planned_rules(workflow) == set()
+
+
+def test_config_edit_reruns_only_its_stage(workflow):
+    assert planned_rules(workflow, "--config", "threads=1") == set()  # threads: not a result
+    changed = planned_rules(workflow, "--config", "seed=49", "profile=other")
+    assert changed == set()
+
+
+def test_rebuild_gives_identical_hashes(workflow, tmp_path):
+    first = read_json(workflow / "outputs/manifests/base_model.json")["hashed"]
+    again = copy_workflow(tmp_path / "again")
+    run(again, "base_model")
+    second = read_json(again / "outputs/manifests/base_model.json")["hashed"]
+    assert first["outputs"] == second["outputs"]
+
+
+def test_tampered_corpus_is_named_and_kept(workflow):
+    target = workflow / "data/generated/labels/gold.json"
+    original = target.read_bytes()
+    try:
+        target.write_bytes(original.replace(b'"chosen"', b'"chosen" ', 1))
+        tampered = sha256_file(target)
+        result = run(workflow, "audit", check=False)
+        assert result.returncode != 0
+        assert "data/generated/labels/gold.json differs" in (workflow / "logs/audit.log").read_text()
+        # a forced prepare refuses, names the file, and overwrites nothing
+        result = run(workflow, "--forcerun", "prepare", "prepare", check=False)
+        assert result.returncode != 0
+        log = (workflow / "logs/prepare.log").read_text()
+        assert "data/generated/labels/gold.json is not what this code generates" in log
+        assert sha256_file(target) == tampered
+    finally:
+        target.write_bytes(original)
+    run(workflow, "--forcerun", "prepare", "prepare")  # identical corpus: kept
+    run(workflow, "audit")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--config", "threads=two"), "config key threads: 'two' is not of type 'integer'"),
+        (("--config", "modle={}"), "Additional properties are not allowed ('modle'"),
+    ],
+)
+def test_schema_errors_are_one_clear_message(workflow, args, message):
+    result = run(workflow, "-n", *args, check=False)
+    assert result.returncode != 0 and message in result.stdout + result.stderr
+
+
+def test_cli_runs_a_stage_from_a_profile(workflow):
+    result = reprorl(workflow, "prepare", "--config", "configs/ci.yaml")
+    assert result.returncode == 0, result.stderr  # identical corpus: kept, manifest rewritten
+    result = reprorl(workflow, "base_model", "--config", "configs/nope.yaml")
+    assert result.returncode == 2 and "does not exist" in result.stderr
