@@ -12,6 +12,8 @@ configfile: "configs/default.yaml"
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/base_model.smk"
+include: "rules/sft.smk"
+include: "rules/reward.smk"
 include: "rules/audit.smk"
 
 
@@ -20,3 +22,6 @@ rule all:
     input:
         rules.prepare.output,
         rules.base_model.output,
+        rules.sft_resume_check.output,
+        rules.reward_resume_check.output,
+        rules.sft_validation.output,

@@ -14,5 +14,4 @@ rule base_model:
         code=code_hash("base_model"),
         config=stage_config_json(config, "base_model"),
     shell:
-        "python -m reprorl base_model --config-json {params.config:q}"
-        " --threads {threads} > {log} 2>&1"
+        stage_command("base_model")

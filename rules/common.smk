@@ -19,3 +19,26 @@ def base_model_output():
     if config["model"]["source"] == "embedded":
         files["model"] = directory(config["model"]["path"])
     return files
+
+
+def warmstart_output(branch, mode):
+    """Outputs of an SFT or reward-model branch (mode: interrupt, continuous, resume)."""
+    files = {
+        "state": f"assets/checkpoints/{branch}-{mode}.pt.gz",
+        "report": f"outputs/learning/{branch}/{mode}.json",
+        "manifest": f"outputs/manifests/{branch}_{mode}.json",
+    }
+    if mode == "resume":
+        files["final"] = f"assets/checkpoints/{branch}-final.safetensors"
+        files["final_manifest"] = f"assets/checkpoints/{branch}-final.json"
+        if branch == "sft":
+            files["peft"] = directory("assets/checkpoints/sft-peft")
+    return files
+
+
+def stage_command(stage):
+    """The shell command of a stage rule (its config subset travels as params.config)."""
+    return (
+        f"python -m reprorl {stage} --config-json {{params.config:q}}"
+        " --threads {threads} > {log} 2>&1"
+    )

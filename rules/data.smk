@@ -16,4 +16,4 @@ rule prepare:
         code=code_hash("prepare"),
         config=stage_config_json(config, "prepare"),
     shell:
-        "python -m reprorl prepare --config-json {params.config:q} > {log} 2>&1"
+        stage_command("prepare")

@@ -57,3 +57,23 @@ def in_tmp(tmp_path: Path, monkeypatch) -> Path:
     """Run a test with the current directory in a fresh temporary folder."""
     monkeypatch.chdir(tmp_path)
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The CI-size embedded base (2 layers, width 64), built once per test session."""
+    from reprorl import base_model
+    from reprorl import config as configuration
+
+    config = configuration.load(ROOT / "configs/ci.yaml")
+    config["model"]["path"] = str(tmp_path_factory.mktemp("tiny") / "model")
+    base_model.build_embedded(config, log=lambda message: None)
+    return Path(config["model"]["path"])
+
+
+def tiny_config(model_path: Path) -> dict:
+    from reprorl import config as configuration
+
+    config = configuration.load(ROOT / "configs/ci.yaml")
+    config["model"]["path"] = str(model_path)
+    return config

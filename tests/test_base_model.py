@@ -10,6 +10,7 @@ import torch
 from reprorl import base_model
 from reprorl import config as configuration
 from reprorl.base_model import IM_END, IM_START, PAD, ModelDirectoryError
+from reprorl.encoding import chat_prompt
 from reprorl.manifest import files_under, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,7 @@ def test_reload_from_pretrained_local_only(built):
     assert ids == [vocab - 3, vocab - 2, vocab - 1]
     assert tokenizer.eos_token == IM_END and tokenizer.pad_token == PAD
     assert model.config.eos_token_id == ids[2] and model.config.pad_token_id == ids[0]
-    text = base_model.chat_prompt(tokenizer, "Ticket X. Printer is silent.")
+    text = chat_prompt(tokenizer, "Ticket X. Printer is silent.")
     assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
                     "<|im_start|>user\nTicket X. Printer is silent.<|im_end|>\n"
                     "<|im_start|>assistant\n")

@@ -80,7 +80,7 @@ class _Run:
 
 
 def test_stage_writes_contract_then_keeps_identical_corpus(in_tmp):
-    corpus.stage({"seed": 49}, _Run(), log=lambda m: None)
+    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     root = Path("data/generated")
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert files == sorted(corpus.CORPUS_FILES)
@@ -88,21 +88,21 @@ def test_stage_writes_contract_then_keeps_identical_corpus(in_tmp):
     assert manifest["files"]["train/pages.json"] == sha256_file(root / "train/pages.json")
     assert read_json("outputs/data-audit.json")["pairs"] == 1200
     before = {p: sha256_file(p) for p in root.rglob("*") if p.is_file()}
-    corpus.stage({"seed": 49}, _Run(), log=lambda m: None)  # identical: kept, no error
+    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)  # identical: kept, no error
     assert before == {p: sha256_file(p) for p in root.rglob("*") if p.is_file()}
 
 
 def test_stage_refuses_to_overwrite_a_different_corpus(in_tmp):
-    corpus.stage({"seed": 49}, _Run(), log=lambda m: None)
+    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     target = Path("data/generated/train/pages.json")
     target.write_text(target.read_text().replace("OH0", "XX0", 1))
     tampered = sha256_file(target)
     with pytest.raises(PreservedArtifactError, match="data/generated/train/pages.json"):
-        corpus.stage({"seed": 49}, _Run(), log=lambda m: None)
+        corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     assert sha256_file(target) == tampered  # nothing overwritten
 
 
 def test_stage_refuses_another_seed(in_tmp):
     with pytest.raises(ReproError, match="frozen at seed 49"):
-        corpus.stage({"seed": 50}, _Run(), log=lambda m: None)
+        corpus.stage("prepare", {"seed": 50}, _Run(), log=lambda m: None)
     assert not Path("data").exists()

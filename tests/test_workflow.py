@@ -13,6 +13,8 @@ from conftest import copy_workflow, reprorl, snakemake
 from reprorl.manifest import read_json, sha256_file
 
 pytestmark = pytest.mark.e2e
+WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward")
+             for mode in ("interrupt", "continuous", "resume", "resume_check")} | {"sft_validation"}
 
 
 def run(workdir: Path, *args: str, check: bool = True):
@@ -37,7 +39,10 @@ def test_full_run_outputs(workflow):
     audit = read_json(workflow / "outputs/data-audit.json")
     assert audit["pairs_by_split"] == {"train": 840, "validation": 180, "test": 180}
     assert (workflow / "assets/model/model.safetensors").is_file()
-    for stage in ("prepare", "base_model"):
+    for check in ("sft", "reward"):
+        assert read_json(workflow / f"outputs/learning/{check}/resume-check.json")["status"] == (
+            "PASS")
+    for stage in ("prepare", "base_model", *sorted(WARMSTART)):
         manifest = read_json(workflow / f"outputs/manifests/{stage}.json")
         assert manifest["hashed"]["code_sha256"] and manifest["run"]["wall_seconds"] >= 0
         assert (workflow / f"outputs/benchmarks/{stage}.tsv").is_file()
@@ -59,8 +64,10 @@ def test_audit_target_passes(workflow):
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("base_model.py", {"base_model"}),
-        ("rubric.py", {"prepare", "base_model"}),  # base_model's pretraining text uses it
+        ("warmstart.py", WARMSTART),
+        ("lora.py", WARMSTART),
+        ("base_model.py", {"base_model"} | WARMSTART),  # and everything built on the base
+        ("rubric.py", {"prepare", "base_model"} | WARMSTART),
         ("cli.py", set()),
     ],
 )

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 
 from .corpus import pretraining_texts
+from .encoding import chat_prompt
 from .manifest import ReproError, atomic_directory, files_under, write_json
+from .schedule import linear_warmup_decay
 
 SUMMARY_PATH = Path("outputs/base-model.json")
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -82,21 +84,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tokenizer
 
 
-def chat_prompt(tokenizer, prompt: str) -> str:
-    messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 # ---------------------------------------------------------------- embedded base
-
-
-def learning_rate(step: int, total: int, peak: float, warmup_ratio: float) -> float:
-    """Linear warm-up, then linear decay to 10 % of the peak."""
-    warmup = max(1, int(total * warmup_ratio))
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup - 1)
-    return peak * (1.0 - 0.9 * min(1.0, progress))
 
 
 def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> list[float]:
@@ -122,8 +110,8 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
             input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
             mask[row, : len(ids[index])] = 1
         labels = input_ids.masked_fill(mask == 0, -100)
-        lr = learning_rate(step, settings["steps"], settings["learning_rate"],
-                           settings["warmup_ratio"])
+        lr = linear_warmup_decay(step, settings["steps"], settings["learning_rate"],
+                                 settings["warmup_ratio"])
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
@@ -271,7 +259,7 @@ def verify(config: dict) -> dict:
     }
 
 
-def stage(config: dict, run, log=print) -> dict:
+def stage(name: str, config: dict, run, log=print) -> dict:
     """Stage `base_model`: build (embedded) or verify (local), then summarise."""
     directory = Path(config["model"]["path"])
     if config["model"]["source"] == "embedded":

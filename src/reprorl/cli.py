@@ -12,11 +12,9 @@ import json
 import sys
 
 from . import config as configuration
-from .codehash import STAGE_MODULES, code_hash
+from .codehash import code_hash
 from .manifest import ReproError, StageRun, audit_manifests
-
-# Stages whose module has a `stage(config, run, log)` entry; imported only when it runs.
-STAGES = {name: module for name, module in STAGE_MODULES.items() if name != "audit"}
+from .stages import STAGES
 
 
 def _log(message: str) -> None:
@@ -29,15 +27,15 @@ def run_stage(name: str, config: dict, threads: int) -> dict:
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     subset = configuration.stage_config(config, name)
-    module = importlib.import_module(f"reprorl.{STAGES[name]}")
+    module = importlib.import_module(f"reprorl.{STAGES[name].module}")
     with StageRun(name, config=subset, code_hash=code_hash(name)) as run:
-        return module.stage(config, run, log=_log)
+        return module.stage(name, config, run, log=_log)
 
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="reprorl", description=__doc__.splitlines()[0])
     commands = top.add_subparsers(dest="command", required=True)
-    for name in STAGES:
+    for name in (n for n in STAGES if n != "audit"):
         sub = commands.add_parser(name, help=f"run stage {name}")
         source = sub.add_mutually_exclusive_group(required=True)
         source.add_argument("--config", help="YAML profile, e.g. configs/default.yaml")

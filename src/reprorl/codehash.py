@@ -15,14 +15,10 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
+from .stages import STAGES
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 
-# Stage -> the module holding its code (and, but for audit, its `stage` entry).
-STAGE_MODULES = {
-    "prepare": "corpus",
-    "base_model": "base_model",
-    "audit": "manifest",
-}
 
 
 def _module_file(name: str) -> Path:
@@ -69,7 +65,7 @@ def module_closure(entry: str) -> list[str]:
 @cache
 def code_hash(stage: str) -> str:
     digest = hashlib.sha256()
-    for path in [_module_file(m) for m in module_closure(STAGE_MODULES[stage])]:
+    for path in [_module_file(m) for m in module_closure(STAGES[stage].module)]:
         digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()

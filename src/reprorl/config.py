@@ -16,15 +16,10 @@ import jsonschema
 import yaml
 
 from .manifest import ReproError
+from .stages import STAGES
 
 SCHEMA_PATH = Path(__file__).with_name("schemas") / "config.schema.yaml"
 
-# Which top-level keys each stage reads. A stage's manifest and its Snakemake params carry only
-# these, so changing one stage's settings re-runs that stage and its dependents, nothing else.
-STAGE_KEYS = {
-    "prepare": ("seed",),
-    "base_model": ("model", "limits"),
-}
 
 
 class ConfigError(ReproError):
@@ -80,8 +75,10 @@ def load(path: str | Path) -> dict:
 
 
 def stage_config(config: dict, stage: str) -> dict:
-    """The subset of a validated config that `stage` reads."""
-    return {key: config[key] for key in STAGE_KEYS[stage]}
+    """The subset of a validated config that `stage` reads. A stage's manifest and its
+    Snakemake params carry only these keys, so changing one stage's settings re-runs that stage
+    and its dependents, nothing else."""
+    return {key: config[key] for key in STAGES[stage].config_keys}
 
 
 def stage_config_json(config: dict, stage: str) -> str:

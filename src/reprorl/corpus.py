@@ -21,6 +21,7 @@ from .manifest import (
     ReproError,
     atomic_directory,
     files_under,
+    read_json,
     sha256_bytes,
     sha256_file,
     write_json,
@@ -46,6 +47,44 @@ CORPUS_FILES = (
 )
 INSTRUCTION = "Suggest one relevant next step and do not promise a guaranteed fix."
 NEUTRAL, HEDGED, GUARANTEED = 1, 0, 2
+# What each kind of stage may read (held-out discipline, enforced by `read`): learning never
+# sees test or probe inputs nor the gold labels; generation sees inputs only.
+SCOPES = {
+    "learning": {
+        "warmstart/pages.json",
+        "labels/warmstart.json",
+        "labels/train-pairs.json",
+        "labels/validation-pairs.json",
+        "validation/pages.json",
+        "train/pages.json",
+    },
+    "generation": {"input/pages.json"},
+    "evaluation": set(CORPUS_FILES) - {"manifest.json"},
+}
+
+
+class HeldOutError(ReproError):
+    """A stage asked for a corpus file its kind of stage must not see."""
+
+
+def read(name: str, scope: str):
+    """One corpus file, if `scope` may see it, after checking its sha256 against the corpus
+    manifest (`data/generated/manifest.json`)."""
+    if name not in SCOPES[scope]:
+        raise HeldOutError(
+            f"a {scope} stage may not read {CORPUS_DIR / name} (held-out discipline); it may "
+            f"read {sorted(SCOPES[scope])}"
+        )
+    path = CORPUS_DIR / name
+    if not path.is_file():
+        raise ReproError(f"{path} is missing: run the prepare stage (snakemake prepare)")
+    recorded = read_json(CORPUS_DIR / "manifest.json")["files"].get(name)
+    if sha256_file(path) != recorded:
+        raise ReproError(
+            f"{path} does not match the sha256 in {CORPUS_DIR / 'manifest.json'}: the corpus "
+            "was modified; restore it (or move data/generated away and rerun prepare)"
+        )
+    return read_json(path)
 
 
 def digest(text: str) -> str:
@@ -273,6 +312,7 @@ def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORP
                     "document_id": r["document_id"],
                     "family": r["family"],
                     "prompt": r["prompt"],
+                    "expected_action": labels[r["document_id"]]["expected_action"],
                     "chosen": labels[r["document_id"]]["chosen"],
                     "rejected": labels[r["document_id"]]["rejected"],
                 }
@@ -290,7 +330,7 @@ def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORP
             raise ReproError(f"corpus files {sorted(hashes)} differ from the contract")
 
 
-def stage(config: dict, run, log=print) -> dict:
+def stage(name: str, config: dict, run, log=print) -> dict:
     """Stage `prepare`: generate and audit the corpus; write it unless it is already there.
 
     The corpus is preserved: an existing `data/generated` is never overwritten. If it holds

@@ -1,0 +1,92 @@
+"""Prompts and responses as token ids, and left-padded batches of them.
+
+A prompt is the chat template applied to one user turn with the generation prompt; a response
+is the answer's ids followed by the end-of-turn id (EOS), so the model learns to stop. Limits
+are the specification's: prompt <= 256, response <= 64 (EOS included), both <= 320. Supervised
+examples that exceed them are refused, never truncated.
+
+Batches are left-padded (every sequence ends at the last column, as in generation) with
+explicit position ids counted from each sequence's first real token, so a sequence gets the
+same positions whatever it is batched with. `response_mask` marks response tokens by position;
+scores are always read through it, never from "the last column".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .manifest import ReproError
+
+
+def load_tokenizer(model_path: str | Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    tokenizer.padding_side = "left"
+    if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
+        raise ReproError(f"the tokenizer in {model_path} lacks an eos or pad token")
+    return tokenizer
+
+
+def chat_prompt(tokenizer, prompt: str) -> str:
+    messages = [{"role": "user", "content": prompt}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_ids(tokenizer, prompt: str, limits: dict, name: str = "prompt") -> list[int]:
+    ids = tokenizer(chat_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    if len(ids) > limits["prompt_tokens"]:
+        raise ReproError(f"{name}: prompt has {len(ids)} tokens, limit {limits['prompt_tokens']}")
+    return ids
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt with one response (response ids end with EOS)."""
+
+    name: str
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        return self.prompt_ids + self.response_ids
+
+
+def example(tokenizer, prompt: str, response: str, limits: dict, name: str) -> Example:
+    """Encode a supervised example; refuse (never truncate) one that exceeds the limits."""
+    head = prompt_ids(tokenizer, prompt, limits, name)
+    body = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if len(body) > limits["response_tokens"]:
+        raise ReproError(
+            f"{name}: response has {len(body)} tokens with EOS, limit {limits['response_tokens']}"
+        )
+    if len(head) + len(body) > limits["context_tokens"]:
+        raise ReproError(f"{name}: {len(head) + len(body)} tokens, context limit "
+                         f"{limits['context_tokens']}")
+    return Example(name, tuple(head), tuple(body))
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # (B, L) long
+    attention_mask: torch.Tensor  # (B, L) long, 0 on padding
+    position_ids: torch.Tensor  # (B, L) long, 0 at each sequence's first real token
+    response_mask: torch.Tensor  # (B, L) bool, True on response tokens (EOS included)
+
+
+def collate(examples: list[Example], pad_id: int) -> Batch:
+    width = max(len(e.input_ids) for e in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(examples), width), dtype=torch.long)
+    response = torch.zeros((len(examples), width), dtype=torch.bool)
+    for row, e in enumerate(examples):
+        start = width - len(e.input_ids)
+        input_ids[row, start:] = torch.tensor(e.input_ids)
+        attention[row, start:] = 1
+        response[row, width - len(e.response_ids):] = True
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    return Batch(input_ids, attention, positions, response)

@@ -1,0 +1,116 @@
+"""Resume states: saved complete, loaded safely, compared exactly.
+
+A state is a plain nest of dicts, lists, numbers, strings and tensors (learned tensors,
+optimizer state, RNG states as tensors or lists). It is written with `torch.save` into a gzip
+stream of level 1 whose header carries no timestamp and no name, so two equal states are two
+byte-identical files. Loading uses `weights_only=True`: only tensors and plain containers come
+back, never arbitrary pickled objects, and only files this project wrote are ever loaded.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .manifest import ReproError, atomic_write_bytes, sha256_file
+
+
+def save_state(path: str | Path, state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    raw = buffer.getvalue()
+    packed = io.BytesIO()
+    with gzip.GzipFile(filename="", mode="wb", compresslevel=1, fileobj=packed, mtime=0) as out:
+        out.write(raw)
+    atomic_write_bytes(path, packed.getvalue())
+    return {"path": str(path), "raw_bytes": len(raw), "gzip_bytes": packed.tell(),
+            "sha256": sha256_file(path)}
+
+
+def load_state(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ReproError(f"resume state {path} is missing: run the stage that writes it first")
+    try:
+        with gzip.open(path, "rb") as handle:
+            return torch.load(io.BytesIO(handle.read()), weights_only=True)
+    except (OSError, EOFError, RuntimeError, gzip.BadGzipFile) as error:
+        raise ReproError(f"resume state {path} is corrupted ({error}); delete it and rerun "
+                         "the stage that writes it") from error
+
+
+# ---------------------------------------------------------------- RNGs
+
+
+def rng_state() -> dict:
+    """Python, numpy and torch CPU RNG states, as weights-only-loadable values."""
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    return {
+        "python": list(_listify(random.getstate())),
+        "numpy": [kind, torch.from_numpy(keys.copy()), position, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(_tuplify(state["python"]))
+    kind, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), position, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _listify(value):
+    return [_listify(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _tuplify(value):
+    return tuple(_tuplify(v) for v in value) if isinstance(value, list) else value
+
+
+# ---------------------------------------------------------------- exact comparison
+
+
+def first_difference(a: Any, b: Any, where: str = "state") -> str | None:
+    """Where two states first differ (None if bitwise equal). Floats compare exactly."""
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{where}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        same = torch.equal(_bytes(a), _bytes(b))
+        return None if same else f"{where}: tensor values differ"
+    if isinstance(a, dict):
+        if list(a) != list(b) and set(a) != set(b):
+            return f"{where}: keys {sorted(map(str, set(a) ^ set(b)))[:5]} differ"
+        for key in a:
+            found = first_difference(a[key], b[key], f"{where}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return f"{where}: length {len(a)} != {len(b)}"
+        for index, (x, y) in enumerate(zip(a, b)):
+            found = first_difference(x, y, f"{where}[{index}]")
+            if found:
+                return found
+        return None
+    if isinstance(a, float) and a != a and b != b:  # NaN equals NaN here: same bits matter
+        return None
+    return None if a == b else f"{where}: {a!r} != {b!r}"
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)

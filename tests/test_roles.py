@@ -1,0 +1,133 @@
+"""The four roles: isolation, frozen parts, scalar heads, pooling under padding."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from reprorl import roles
+from reprorl.encoding import Batch, Example, collate, example, load_tokenizer
+from reprorl.manifest import ReproError
+
+
+@pytest.fixture(scope="module")
+def four(tiny_model):
+    config = tiny_config(tiny_model)
+    actor = roles.build("actor", config["model"])
+    learned = {n: t.detach().clone() for n, t in roles.learned_state(actor).items()}
+    return {
+        "actor": actor,
+        "reference": roles.build("reference", config["model"], learned=learned),
+        "reward": roles.build("reward", config["model"]).requires_grad_(False),
+        "critic": roles.build("critic", config["model"], learned=learned, adapters_only=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def encode(tiny_model):
+    """encode(prompt, response) -> Example, with the tiny model's tokenizer and the limits."""
+    tokenizer = load_tokenizer(tiny_model)
+    limits = tiny_config(tiny_model)["limits"]
+    return lambda prompt, answer: example(tokenizer, prompt, answer, limits, prompt[:8])
+
+
+def test_heads_have_hidden_plus_one_parameters(four):
+    hidden = four["actor"].backbone.config.hidden_size
+    assert four["actor"].head is None and four["reference"].head is None
+    for kind in ("reward", "critic"):
+        assert sum(p.numel() for p in four[kind].head.parameters()) == hidden + 1
+    assert torch.count_nonzero(four["critic"].head.weight) == 0
+    assert four["reward"].head.bias.item() == 0.0
+    std = four["reward"].head.weight.std().item()
+    assert 0.01 < std < 0.03  # normal(0, 0.02)
+
+
+def test_isolation_report_and_no_gradient_to_frozen_roles(four, encode):
+    batch = collate([encode("Printer silent.", "Next step: re-enable Wi-Fi.")], 0)
+    logprobs, mask = four["actor"].token_logprobs(batch)
+    values, _ = four["critic"].values(batch)
+    with torch.no_grad():
+        four["reference"].token_logprobs(batch)
+        four["reward"].score(batch)
+    ((logprobs * mask).sum() + (values * mask).sum()).backward()
+    report = roles.isolation_report(four)
+    assert report["reference"]["trainable"] == report["reward"]["trainable"] == 0
+    assert report["actor"]["trainable"] == four["actor"].adapter_parameters
+    assert report["critic"]["trainable"] == four["critic"].adapter_parameters + 65
+    assert report["actor"]["learned_identity"] == report["reference"]["learned_identity"]
+    assert report["actor"]["learned_identity"] != report["reward"]["learned_identity"]
+    assert len({r["frozen_identity"] for r in report.values()}) >= 1
+    for role in four.values():
+        role.zero_grad(set_to_none=True)
+
+
+def test_shared_backbone_is_refused(four):
+    shared = dict(four, critic=four["actor"])
+    with pytest.raises(ReproError, match="share parameter storage"):
+        roles.isolation_report(shared)
+
+
+def test_reward_pooling_never_reads_padding(four, encode, tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    short = encode("Case A.", "Next step: re-enable Wi-Fi.")
+    long = encode("Case B, a much longer description of the trouble.",
+                  "Thank you for your patience. It may help to save the open document. "
+                  "I hope this helps.")
+    reward = four["reward"]
+    with torch.no_grad():
+        alone = torch.cat([reward.score(collate([e], tokenizer.pad_token_id))
+                           for e in (short, long)])
+        left = reward.score(collate([short, long], tokenizer.pad_token_id))
+        right = reward.score(right_padded([short, long], tokenizer.pad_token_id))
+        naive_right = reward._head_on_last_hidden(
+            right_padded([short, long], tokenizer.pad_token_id))[:, -1]
+    torch.testing.assert_close(left, alone, rtol=0, atol=1e-5)
+    torch.testing.assert_close(right, alone, rtol=0, atol=1e-5)
+    # reading "the last column" of a right-padded batch would have read PAD for the short row
+    assert abs(naive_right[0] - alone[0]) > 1e-4
+
+
+def right_padded(examples: list[Example], pad_id: int) -> Batch:
+    width = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), width), pad_id)
+    attention = torch.zeros_like(ids)
+    response = torch.zeros_like(ids, dtype=torch.bool)
+    for row, e in enumerate(examples):
+        ids[row, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention[row, : len(e.input_ids)] = 1
+        response[row, len(e.prompt_ids) : len(e.input_ids)] = True
+    return Batch(ids, attention, (attention.cumsum(1) - 1).clamp(min=0), response)
+
+
+def test_values_are_read_on_the_prefix_before_each_token(four, encode):
+    e = encode("Case C.", "Next step: save the open document.")
+    critic = four["critic"]
+    with torch.no_grad():
+        critic.head.weight.normal_(0, 1, generator=torch.Generator().manual_seed(0))
+        batch = collate([e], 0)
+        values, mask = critic.values(batch)
+        full = critic._head_on_last_hidden(batch)
+        critic.head.weight.zero_()
+    n = len(e.response_ids)
+    assert mask.sum() == n
+    # V for response token k comes from position (start of response + k - 1)
+    assert torch.equal(values[0, -n:], full[0, -n - 1 : -1])
+
+
+def test_token_logprobs_match_a_full_forward(four, encode):
+    e = encode("Case D.", "It may help to re-enable Wi-Fi.")
+    actor = four["actor"]
+    with torch.no_grad():
+        logprobs, mask = actor.token_logprobs(collate([e], 0))
+        logits = actor.backbone(input_ids=torch.tensor([e.input_ids])).logits[0].float()
+    n = len(e.response_ids)
+    full = logits.log_softmax(-1)[-n - 1 : -1].gather(
+        -1, torch.tensor(e.response_ids).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs[0], full, rtol=0, atol=1e-5)
+    assert mask.all() and mask.shape[1] == n
+
+
+def test_unknown_role_and_scoreless_roles(four):
+    with pytest.raises(ReproError, match="unknown role"):
+        roles.Role("judge", four["actor"].backbone)
+    with pytest.raises(ReproError, match="only the reward role"):
+        four["critic"].score(None)
