@@ -14,6 +14,7 @@ include: "rules/data.smk"
 include: "rules/base_model.smk"
 include: "rules/sft.smk"
 include: "rules/reward.smk"
+include: "rules/ppo.smk"
 include: "rules/audit.smk"
 
 
@@ -25,3 +26,5 @@ rule all:
         rules.sft_resume_check.output,
         rules.reward_resume_check.output,
         rules.sft_validation.output,
+        rules.ppo_resume_check.output,
+        rules.ppo_report.output,

@@ -42,3 +42,19 @@ def stage_command(stage):
         f"python -m reprorl {stage} --config-json {{params.config:q}}"
         " --threads {threads} > {log} 2>&1"
     )
+
+
+def ppo_output(mode):
+    """Outputs of a PPO branch (mode: interrupt, continuous, resume)."""
+    files = {
+        "state": f"assets/checkpoints/ppo-{mode}.pt.gz",
+        "report": f"outputs/learning/ppo/{mode}.json",
+        "rollouts": directory(f"outputs/learning/rollouts/{mode}"),
+        "manifest": f"outputs/manifests/ppo_{mode}.json",
+    }
+    if mode == "resume":
+        for name in ("ppo", "critic"):
+            files[f"{name}_final"] = f"assets/checkpoints/{name}-final.safetensors"
+            files[f"{name}_final_manifest"] = f"assets/checkpoints/{name}-final.json"
+        files["peft"] = directory("assets/checkpoints/ppo-peft")
+    return files

@@ -13,8 +13,10 @@ from conftest import copy_workflow, reprorl, snakemake
 from reprorl.manifest import read_json, sha256_file
 
 pytestmark = pytest.mark.e2e
-WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward")
-             for mode in ("interrupt", "continuous", "resume", "resume_check")} | {"sft_validation"}
+MODES = ("interrupt", "continuous", "resume", "resume_check")
+WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward") for mode in MODES}
+WARMSTART |= {"sft_validation"}
+PPO = {f"ppo_{mode}" for mode in MODES} | {"ppo_report"}
 
 
 def run(workdir: Path, *args: str, check: bool = True):
@@ -39,16 +41,45 @@ def test_full_run_outputs(workflow):
     audit = read_json(workflow / "outputs/data-audit.json")
     assert audit["pairs_by_split"] == {"train": 840, "validation": 180, "test": 180}
     assert (workflow / "assets/model/model.safetensors").is_file()
-    for check in ("sft", "reward"):
+    for check in ("sft", "reward", "ppo"):
         assert read_json(workflow / f"outputs/learning/{check}/resume-check.json")["status"] == (
             "PASS")
-    for stage in ("prepare", "base_model", *sorted(WARMSTART)):
+    for stage in ("prepare", "base_model", *sorted(WARMSTART | PPO)):
         manifest = read_json(workflow / f"outputs/manifests/{stage}.json")
         assert manifest["hashed"]["code_sha256"] and manifest["run"]["wall_seconds"] >= 0
         assert (workflow / f"outputs/benchmarks/{stage}.tsv").is_file()
         assert (workflow / f"logs/{stage}.log").is_file()
     curve = read_json(workflow / "outputs/base-model.json")["learning_curve"]
     assert len(curve) == 20
+
+
+def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
+    import torch
+
+    from reprorl import ppo_math
+
+    report = read_json(workflow / "outputs/learning/ppo/continuous.json")
+    assert report["iterations"] == 100 and report["updates_per_optimizer"] == 200
+    assert report["reference_and_reward_unchanged"]
+    ids = [i for entry in report["history"] for i in entry["rollout_ids"]]
+    assert len(ids) == len(set(ids)) == 400
+    resumed = sorted((workflow / "outputs/learning/rollouts/resume").glob("*.json"))
+    assert len(resumed) == 60 and resumed[0].name == "iteration-041.json"
+    for rollout in read_json(workflow / "outputs/learning/rollouts/continuous/"
+                                        "iteration-001.json")["rollouts"]:
+        n = len(rollout["response_ids"])
+        mask = torch.ones(1, n, dtype=torch.bool)
+        rewards = ppo_math.token_rewards(
+            torch.tensor([rollout["behaviour_logprobs"]]),
+            torch.tensor([rollout["reference_logprobs"]]), mask,
+            torch.tensor([rollout["reward_model_score"]]),
+            torch.tensor([rollout["finish_reason"] == "cut"]))
+        advantages, returns = ppo_math.gae(rewards, torch.tensor([rollout["values"]]), mask)
+        torch.testing.assert_close(rewards[0].tolist(), rollout["rewards"])
+        torch.testing.assert_close(advantages[0].tolist(), rollout["advantages"])
+        torch.testing.assert_close(returns[0].tolist(), rollout["returns"])
+    rubric = read_json(workflow / "outputs/learning/ppo/rollout-rubric.json")
+    assert len(rubric["iterations"]) == 100 and set(rubric["first_10"]) >= {"rubric_success_rate"}
 
 
 def test_noop_rerun_plans_nothing(workflow):
@@ -64,10 +95,11 @@ def test_audit_target_passes(workflow):
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("warmstart.py", WARMSTART),
-        ("lora.py", WARMSTART),
-        ("base_model.py", {"base_model"} | WARMSTART),  # and everything built on the base
-        ("rubric.py", {"prepare", "base_model"} | WARMSTART),
+        ("ppo_math.py", PPO),
+        ("warmstart.py", WARMSTART | PPO),  # PPO starts from the warm-start checkpoints
+        ("lora.py", WARMSTART | PPO),
+        ("base_model.py", {"base_model"} | WARMSTART | PPO),  # everything built on the base
+        ("rubric.py", {"prepare", "base_model"} | WARMSTART | PPO),
         ("cli.py", set()),
     ],
 )

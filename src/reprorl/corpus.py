@@ -43,6 +43,7 @@ CORPUS_FILES = (
     "train/pages.json",
     "warmstart/pages.json",
     "labels/warmstart.json",
+    "labels/rollouts.json",
     "manifest.json",
 )
 INSTRUCTION = "Suggest one relevant next step and do not promise a guaranteed fix."
@@ -143,7 +144,7 @@ def pair_responses(action: int, variant: int, family_index: int) -> tuple[str, s
 def generate(seed: int = SEED) -> dict[str, list[dict]]:
     """Every population of the corpus, in memory."""
     splits = assign_splits(seed)
-    pages, gold, demos, demo_labels, rollouts = [], [], [], [], []
+    pages, gold, demos, demo_labels, rollouts, rollout_labels = [], [], [], [], [], []
     for index in range(FAMILIES):
         family, action, split = f"OH{index:03d}", index // FAMILIES_PER_ACTION, splits[index]
         for variant in range(PAIRS_PER_FAMILY):
@@ -170,6 +171,8 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
         for variant in range(4):
             prompt = task_prompt(family, action, "live queue", 11 + variant)
             rollouts.append(page(f"{family}-RL{variant}", family, "train", prompt, "rollout"))
+            rollout_labels.append({"document_id": f"{family}-RL{variant}",
+                                   "expected_action": action})
     probes, probe_labels = probe_rows()
     return {
         "pages": pages + probes,
@@ -177,6 +180,7 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
         "demos": demos,
         "demo_labels": demo_labels,
         "rollouts": rollouts,
+        "rollout_labels": rollout_labels,
     }
 
 
@@ -324,6 +328,9 @@ def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORP
         write_json(scratch / "train/pages.json", corpus["rollouts"])
         write_json(scratch / "warmstart/pages.json", corpus["demos"])
         write_json(scratch / "labels/warmstart.json", corpus["demo_labels"])
+        # the situation behind each rollout prompt: for judging sampled responses afterwards
+        # (evaluation scope); PPO and GRPO never read it
+        write_json(scratch / "labels/rollouts.json", corpus["rollout_labels"])
         hashes = {p.relative_to(scratch).as_posix(): sha256_file(p) for p in files_under(scratch)}
         write_json(scratch / "manifest.json", {**summary, "files": hashes})
         if set(hashes) | {"manifest.json"} != set(CORPUS_FILES):

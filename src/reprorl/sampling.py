@@ -27,6 +27,17 @@ class Sample:
     finish_reason: str  # "eos" or "cut"
 
 
+def _draw(logits: torch.Tensor, generator: torch.Generator | None,
+          temperature: float) -> tuple[int, float]:
+    """The next token (argmax when greedy) and its log-prob under the sampled distribution."""
+    scores = (logits.float() / temperature).log_softmax(-1)
+    if generator is None:
+        token = int(scores.argmax())
+    else:
+        token = int(torch.multinomial(scores.exp(), 1, generator=generator))
+    return token, float(scores[token])
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
            generator: torch.Generator | None = None, temperature: float = 1.0) -> Sample:
@@ -34,13 +45,9 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
     tokens: list[int] = []
     logprobs: list[float] = []
     for _ in range(max_new_tokens):
-        scores = (output.logits[0, -1].float() / temperature).log_softmax(-1)
-        if generator is None:
-            token = int(scores.argmax())
-        else:
-            token = int(torch.multinomial(scores.exp(), 1, generator=generator))
+        token, logprob = _draw(output.logits[0, -1], generator, temperature)
         tokens.append(token)
-        logprobs.append(float(scores[token]))
+        logprobs.append(logprob)
         if token == eos_id:
             return Sample(tokens, logprobs, "eos")
         output = model(input_ids=torch.tensor([[token]]), use_cache=True, logits_to_keep=1,
@@ -53,3 +60,22 @@ def response_text(tokenizer, result: Sample) -> str:
     which the rubric refuses; special tokens inside the answer are kept visible."""
     ids = result.response_ids[:-1] if result.finish_reason == "eos" else result.response_ids
     return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+@torch.no_grad()
+def sample_without_cache(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
+                         generator: torch.Generator | None = None,
+                         temperature: float = 1.0) -> Sample:
+    """The seed's sampler: the whole prefix is recomputed for every new token. Kept as the
+    baseline that `benchmarks/sampling.py` measures `sample` against."""
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for _ in range(max_new_tokens):
+        sequence = torch.tensor([list(prompt_ids) + tokens])
+        logits = model(input_ids=sequence, use_cache=False, logits_to_keep=1).logits
+        token, logprob = _draw(logits[0, -1], generator, temperature)
+        tokens.append(token)
+        logprobs.append(logprob)
+        if token == eos_id:
+            return Sample(tokens, logprobs, "eos")
+    return Sample(tokens, logprobs, "cut")

@@ -14,15 +14,18 @@ class Stage(NamedTuple):
     config_keys: tuple[str, ...]  # top-level config keys the stage reads
 
 
-WARMSTART_MODES = ("interrupt", "continuous", "resume")
+MODES = ("interrupt", "continuous", "resume")
 
 STAGES: dict[str, Stage] = {
     "prepare": Stage("corpus", ("seed",)),
     "base_model": Stage("base_model", ("model", "limits")),
     **{f"{branch}_{mode}": Stage("warmstart", ("model", "limits", branch))
-       for branch in ("sft", "reward") for mode in WARMSTART_MODES},
+       for branch in ("sft", "reward") for mode in MODES},
     "sft_resume_check": Stage("warmstart", ()),
     "reward_resume_check": Stage("warmstart", ()),
     "sft_validation": Stage("warmstart", ("model", "limits")),
+    **{f"ppo_{mode}": Stage("ppo", ("model", "limits", "ppo")) for mode in MODES},
+    "ppo_resume_check": Stage("ppo", ()),
+    "ppo_report": Stage("ppo", ()),
     "audit": Stage("manifest", ()),  # run by `reprorl audit`, hashed like any stage
 }

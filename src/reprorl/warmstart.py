@@ -31,6 +31,7 @@ from .encoding import Example, collate, example, load_tokenizer, prompt_ids
 from .lora import export_peft
 from .manifest import (
     ReproError,
+    atomic_write_bytes,
     hash_paths,
     peak_rss_mb,
     read_json,
@@ -245,38 +246,36 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
              "tokens_per_second": tokens_seen / seconds if seconds else None}
     write_json(f"outputs/learning/{branch}/{mode}.json", {**report, "costs": costs})
     if mode == "resume":
-        export_final(role, branch, run_identity, config)
+        export_learned(role, branch, run_identity, config)
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
 
 
-def export_final(role, branch: str, run_identity: dict, config: dict) -> None:
-    """Final learned tensors as safetensors + JSON manifest, reloaded to verify; the SFT
-    adapters also in PEFT format (for `peft`, vLLM and the GRPO trainer)."""
+def export_learned(role, name: str, run_identity: dict, config: dict) -> None:
+    """Final learned tensors as `<name>-final.safetensors` + a JSON manifest, reloaded to
+    verify; an actor's adapters also in PEFT format (`<name>-peft/`, for `peft` and vLLM)."""
     from safetensors.torch import load_file, save
 
-    from .manifest import atomic_write_bytes
-
-    path = CHECKPOINTS / f"{branch}-final.safetensors"
+    path = CHECKPOINTS / f"{name}-final.safetensors"
     state = {n: t.detach().contiguous() for n, t in roles.learned_state(role).items()}
     atomic_write_bytes(path, save(state))
     write_json(path.with_suffix(".json"), {
-        "kind": ROLE[branch], "sha256": sha256_file(path), "identity": run_identity,
+        "kind": role.kind, "sha256": sha256_file(path), "identity": run_identity,
         "learned_identity": roles.learned_identity(role),
         "frozen_identity": roles.frozen_identity(role),
     })
-    reloaded = roles.build(ROLE[branch], config["model"], learned=load_file(path))
+    reloaded = roles.build(role.kind, config["model"], learned=load_file(path))
     if roles.learned_identity(reloaded) != roles.learned_identity(role):
-        raise ReproError(f"{path} does not reload to the trained {branch} tensors")
-    if branch == "sft":
-        export_peft(role.backbone, CHECKPOINTS / "sft-peft", config["model"]["path"],
+        raise ReproError(f"{path} does not reload to the trained {name} tensors")
+    if role.kind == "actor":
+        export_peft(role.backbone, CHECKPOINTS / f"{name}-peft", config["model"]["path"],
                     roles.LORA_RANK, roles.LORA_ALPHA)
 
 
-def load_final(branch: str, kind: str, config: dict, adapters_only: bool = False):
+def load_final(name: str, kind: str, config: dict, adapters_only: bool = False):
     """A role built from a final export, after checking the file against its manifest."""
     from safetensors.torch import load_file
 
-    path = CHECKPOINTS / f"{branch}-final.safetensors"
+    path = CHECKPOINTS / f"{name}-final.safetensors"
     meta = read_json(path.with_suffix(".json"))
     if sha256_file(path) != meta["sha256"]:
         raise ReproError(f"{path} does not match the sha256 in {path.with_suffix('.json')}: "
