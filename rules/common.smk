@@ -6,6 +6,7 @@
 # its dependents only.
 from reprorl.codehash import code_hash
 from reprorl.config import stage_config_json, validate
+from reprorl.report import FIGURES as REPORT_FIGURES
 
 config.update(validate(config))
 
@@ -58,3 +59,11 @@ def ppo_output(mode):
             files[f"{name}_final_manifest"] = f"assets/checkpoints/{name}-final.json"
         files["peft"] = directory("assets/checkpoints/ppo-peft")
     return files
+
+
+def final_checkpoint(name):
+    """The final export of a role: safetensors and its JSON manifest."""
+    return [
+        f"assets/checkpoints/{name}-final.safetensors",
+        f"assets/checkpoints/{name}-final.json",
+    ]

@@ -10,7 +10,7 @@ import torch
 
 from conftest import ROOT
 from reprorl import config as configuration
-from reprorl import corpus, warmstart
+from reprorl import corpus, roles, warmstart
 from reprorl.manifest import ReproError, read_json
 from reprorl.state import load_state, save_state
 
@@ -86,7 +86,7 @@ def test_resume_equals_continuous_bitwise(in_project):
     assert result["status"] == "PASS"
     # the final adapters reload from safetensors and from the PEFT export
     assert read_json("assets/checkpoints/sft-final.json")["kind"] == "actor"
-    actor, _ = warmstart.load_final("sft", "actor", in_project)
+    actor, _ = roles.load_final("sft", "actor", in_project)
     assert (Path("assets/checkpoints/sft-peft") / "adapter_config.json").is_file()
     assert actor.kind == "actor"
 

@@ -136,7 +136,8 @@ def test_tampered_corpus_is_named_and_kept(workflow):
         tampered = sha256_file(target)
         result = run(workflow, "audit", check=False)
         assert result.returncode != 0
-        assert "data/generated/labels/gold.json differs" in (workflow / "logs/audit.log").read_text()
+        audit_log = (workflow / "logs/audit.log").read_text()
+        assert "data/generated/labels/gold.json differs" in audit_log
         # a forced prepare refuses, names the file, and overwrites nothing
         result = run(workflow, "--forcerun", "prepare", "prepare", check=False)
         assert result.returncode != 0

@@ -25,6 +25,7 @@ import torch
 from .corpus import pretraining_texts
 from .encoding import chat_prompt
 from .manifest import ReproError, atomic_directory, files_under, write_json
+from .progress import progress
 from .schedule import linear_warmup_decay
 
 SUMMARY_PATH = Path("outputs/base-model.json")
@@ -99,6 +100,7 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
     order: list[int] = []
     curve = []
     started = time.perf_counter()
+    bar = progress(settings["steps"], "pretrain")
     for step in range(settings["steps"]):
         if len(order) < settings["batch_size"]:
             order += torch.randperm(len(ids), generator=order_rng).tolist()
@@ -120,9 +122,11 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         curve.append(float(loss.detach()))
+        bar.update(1)
         if step % 50 == 0 or step == settings["steps"] - 1:
             log(f"pretrain step {step + 1}/{settings['steps']} loss {curve[-1]:.4f} "
                 f"lr {lr:.2e} {time.perf_counter() - started:.0f}s")
+    bar.close()
     model.eval()
     return curve
 

@@ -25,14 +25,15 @@ from pathlib import Path
 import torch
 
 from . import corpus, ppo_math, roles
+from .roles import CHECKPOINTS, load_final
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .manifest import ReproError, hash_paths, peak_rss_mb, read_json, sha256_file, write_json
 from .rubric import evaluate_response
+from .progress import progress
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
 from .state import first_difference, load_state, restore_rng, rng_state, save_state, seed_everything
-from .warmstart import CHECKPOINTS, export_learned, load_final
 
 ITERATIONS, INTERRUPT_AT, PROMPTS_PER_ITERATION, UPDATES_PER_BATCH = 100, 40, 4, 2
 ROLLOUT_PROMPTS = 672
@@ -232,6 +233,7 @@ def train(config: dict, mode: str, log=print) -> dict:
     timer = PhaseTimer()
     started = time.perf_counter()
     rollout_dir = ROLLOUT_DIR / mode
+    bar = progress(ITERATIONS, f"ppo {mode}", initial=iteration)
     while iteration < stop:
         chosen, order, cursor = next_prompts(order, cursor, prompt_generator,
                                              PROMPTS_PER_ITERATION, len(pages))
@@ -247,6 +249,7 @@ def train(config: dict, mode: str, log=print) -> dict:
             updates += 1
         consumed.extend(ids)
         iteration += 1
+        bar.update(1)
         entry = {
             "iteration": iteration,
             "rollout_ids": ids,
@@ -262,6 +265,7 @@ def train(config: dict, mode: str, log=print) -> dict:
         if iteration % 10 == 0 or iteration == stop:
             log(f"ppo {mode}: iteration {iteration}/{ITERATIONS}, mean RM score "
                 f"{entry['mean_reward_model_score']:.3f}, {time.perf_counter() - started:.0f}s")
+    bar.close()
     seconds = time.perf_counter() - started
     final = {name: roles.learned_identity(role) for name, role in roles_.items()}
     for name, role in roles_.items():
@@ -296,8 +300,8 @@ def train(config: dict, mode: str, log=print) -> dict:
                                 "teacher-forced pass before the first update"}
     write_json(f"outputs/learning/ppo/{mode}.json", {**report, "costs": costs})
     if mode == "resume":
-        export_learned(roles_["actor"], "ppo", run_identity, config)
-        export_learned(roles_["critic"], "critic", run_identity, config)
+        roles.save_final(roles_["actor"], "ppo", run_identity, config)
+        roles.save_final(roles_["critic"], "critic", run_identity, config)
     return {"mode": mode, "iterations": iteration, "updates_per_optimizer": updates,
             "costs": costs}
 

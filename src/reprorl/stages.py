@@ -27,5 +27,11 @@ STAGES: dict[str, Stage] = {
     **{f"ppo_{mode}": Stage("ppo", ("model", "limits", "ppo")) for mode in MODES},
     "ppo_resume_check": Stage("ppo", ()),
     "ppo_report": Stage("ppo", ()),
+    "generation_inputs": Stage("generate", ()),
+    **{f"generate_{policy}": Stage("generate", ("model", "limits")) for policy in ("sft", "ppo")},
+    "reward_test": Stage("evaluate", ("model", "limits")),
+    "evaluate": Stage("evaluate", ()),
+    "exercise": Stage("evaluate", ("model", "limits")),
+    "report": Stage("report", ()),
     "audit": Stage("manifest", ()),  # run by `reprorl audit`, hashed like any stage
 }

@@ -21,23 +21,14 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 import torch
 
 from . import corpus, roles
 from .codehash import code_hash
 from .encoding import Example, collate, example, load_tokenizer, prompt_ids
-from .lora import export_peft
-from .manifest import (
-    ReproError,
-    atomic_write_bytes,
-    hash_paths,
-    peak_rss_mb,
-    read_json,
-    sha256_file,
-    write_json,
-)
+from .manifest import ReproError, hash_paths, peak_rss_mb, sha256_file, write_json
+from .progress import progress
 from .rubric import evaluate_response
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
@@ -49,7 +40,7 @@ EXAMPLES_PER_UPDATE = 8
 INTERRUPT_AFTER_EPOCHS = 1
 VALIDATION_PAIRS = 180
 VALIDATION_BATCH = 16
-CHECKPOINTS = Path("assets/checkpoints")
+CHECKPOINTS = roles.CHECKPOINTS
 ROLE = {"sft": "actor", "reward": "reward"}
 
 
@@ -194,6 +185,7 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     stop = INTERRUPT_AFTER_EPOCHS if mode == "interrupt" else EPOCHS[branch]
     pad_id, tokens_seen = tokenizer.pad_token_id, 0
     started = time.perf_counter()
+    bar = progress(total, f"{branch} {mode}", initial=updates)
     for epoch in range(epoch, stop):
         order = torch.randperm(len(items), generator=sampler).tolist()
         for offset in range(0, len(items), EXAMPLES_PER_UPDATE):
@@ -209,6 +201,7 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
             norm = float(torch.nn.utils.clip_grad_norm_(parameters, settings["max_grad_norm"]))
             optimizer.step()
             updates += 1
+            bar.update(1)
             tokens_seen += sum(len(e.input_ids) for item in batch for e in examples_of(item))
             history.append({"epoch": epoch + 1, "update": updates, "lr": lr,
                             "loss": float(loss.detach()), "grad_norm": norm,
@@ -217,6 +210,7 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
                                    **validate(role, branch, validation, pad_id)})
         log(f"{branch} {mode}: epoch {epoch + 1}/{EPOCHS[branch]}, {updates}/{total} updates, "
             f"loss {history[-1]['loss']:.4f}, validation {validation_history[-1]}")
+    bar.close()
     seconds = time.perf_counter() - started
     if roles.frozen_identity(role) != run_identity["frozen_base"]:
         raise ReproError(f"{branch}: the frozen base changed during training")
@@ -246,42 +240,8 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
              "tokens_per_second": tokens_seen / seconds if seconds else None}
     write_json(f"outputs/learning/{branch}/{mode}.json", {**report, "costs": costs})
     if mode == "resume":
-        export_learned(role, branch, run_identity, config)
+        roles.save_final(role, branch, run_identity, config)
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
-
-
-def export_learned(role, name: str, run_identity: dict, config: dict) -> None:
-    """Final learned tensors as `<name>-final.safetensors` + a JSON manifest, reloaded to
-    verify; an actor's adapters also in PEFT format (`<name>-peft/`, for `peft` and vLLM)."""
-    from safetensors.torch import load_file, save
-
-    path = CHECKPOINTS / f"{name}-final.safetensors"
-    state = {n: t.detach().contiguous() for n, t in roles.learned_state(role).items()}
-    atomic_write_bytes(path, save(state))
-    write_json(path.with_suffix(".json"), {
-        "kind": role.kind, "sha256": sha256_file(path), "identity": run_identity,
-        "learned_identity": roles.learned_identity(role),
-        "frozen_identity": roles.frozen_identity(role),
-    })
-    reloaded = roles.build(role.kind, config["model"], learned=load_file(path))
-    if roles.learned_identity(reloaded) != roles.learned_identity(role):
-        raise ReproError(f"{path} does not reload to the trained {name} tensors")
-    if role.kind == "actor":
-        export_peft(role.backbone, CHECKPOINTS / f"{name}-peft", config["model"]["path"],
-                    roles.LORA_RANK, roles.LORA_ALPHA)
-
-
-def load_final(name: str, kind: str, config: dict, adapters_only: bool = False):
-    """A role built from a final export, after checking the file against its manifest."""
-    from safetensors.torch import load_file
-
-    path = CHECKPOINTS / f"{name}-final.safetensors"
-    meta = read_json(path.with_suffix(".json"))
-    if sha256_file(path) != meta["sha256"]:
-        raise ReproError(f"{path} does not match the sha256 in {path.with_suffix('.json')}: "
-                         "the checkpoint is corrupted; rerun the resume branch")
-    return roles.build(kind, config["model"], learned=load_file(path),
-                       adapters_only=adapters_only), meta
 
 
 def resume_check(branch: str) -> dict:
@@ -308,7 +268,7 @@ def resume_check(branch: str) -> dict:
 def greedy_validation(config: dict, log=print) -> dict:
     """Greedy answers of the final SFT actor to the 180 validation prompts, judged by the
     rubric. A measurement only: nothing is selected with it."""
-    actor, meta = load_final("sft", "actor", config)
+    actor, meta = roles.load_final("sft", "actor", config)
     tokenizer = load_tokenizer(config["model"]["path"])
     limits = config["limits"]
     rows = []

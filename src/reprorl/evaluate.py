@@ -1,0 +1,337 @@
+"""Judging: the reward-model test, the rubric evaluation of every policy, the politeness exercise.
+
+The learned score is reported as "predicted simulated preference": a frozen network's guess of
+which answer the simulated rubric-based preferences favour, never utility or satisfaction. The
+rubric is the independent judge: success counts over all outputs, UNCERTIFIED prose is never a
+success, unsupported certainty is a rate over recognized answers only.
+
+- `reward_test`: the frozen reward model on the 180 test pairs (accuracy, ties, per-pair scores);
+- `evaluate`: every policy's 260 generations judged per population (test rows, probe rows,
+  unique probe contexts, all rows, all unique contexts) -> outputs/results.json + results.md.
+  It reads the resume checks and refuses to write results unless each is PASS;
+- `exercise`: the frozen reward model on the 80 fixed probe candidates: per context, the score
+  change politeness brings to correct and to incorrect advice, and whether polite wrong advice
+  outranks plain correct advice. Hashes of the reward model and main artifacts are compared
+  before and after; nothing is refitted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from . import corpus
+from .encoding import collate, example, load_tokenizer
+from .generate import POLICIES, check_repeated_probes
+from .manifest import ReproError, atomic_write_text, read_json, sha256_file, write_json
+from .roles import CHECKPOINTS, learned_identity, load_final
+from .rubric import evaluate_response
+
+RESULTS, RESULTS_MD = Path("outputs/results.json"), Path("outputs/results.md")
+REWARD_TEST = Path("outputs/reward-test.json")
+EXERCISE = Path("outputs/exercise/reward-shortcuts.json")
+SFT_VALIDATION = Path("outputs/learning/sft/validation-greedy.json")
+PPO_SAMPLED = Path("outputs/learning/ppo/rollout-rubric.json")
+SCORE_NAME = "predicted simulated preference"
+SCOPE = ("Synthetic finite grammar and simulated preferences; no human study. The learned score "
+         "is a predicted simulated preference, not utility or satisfaction. Prose outside the "
+         "rubric's grammar is UNCERTIFIED (never a success, not necessarily wrong). The 80 probe "
+         "rows hold 20 unique contexts, and the 260 rows per policy hold 200 unique contexts: "
+         "rows are not independent situations.")
+RESUME_CHECKS = ("sft", "reward", "ppo")
+
+
+@torch.no_grad()
+def score_pairs(reward, tokenizer, rows: list[tuple[str, str, str]], limits: dict) -> list[float]:
+    """Reward-model scores of (name, prompt, response) rows, one row per batch."""
+    scores = []
+    for name, prompt, response in rows:
+        batch = collate([example(tokenizer, prompt, response, limits, name)],
+                        tokenizer.pad_token_id)
+        scores.append(float(reward.score(batch)[0]))
+    return scores
+
+
+def _test_pairs() -> list[tuple[dict, dict]]:
+    pages = {r["document_id"]: r for r in corpus.read("input/pages.json", "evaluation")}
+    gold = corpus.read("labels/gold.json", "evaluation")
+    return [(pages[g["document_id"]], g) for g in gold
+            if pages[g["document_id"]]["split"] == "test"]
+
+
+def reward_test(config: dict) -> dict:
+    tokenizer = load_tokenizer(config["model"]["path"])
+    reward, meta = load_final("reward", "reward", config)
+    pairs = _test_pairs()
+    chosen = score_pairs(reward, tokenizer, [(p["document_id"], p["prompt"], g["chosen"])
+                                             for p, g in pairs], config["limits"])
+    rejected = score_pairs(reward, tokenizer, [(p["document_id"], p["prompt"], g["rejected"])
+                                               for p, g in pairs], config["limits"])
+    rows = [{"document_id": p["document_id"], "chosen_score": c, "rejected_score": r,
+             "correct": c > r, "tie": c == r}
+            for (p, _), c, r in zip(pairs, chosen, rejected)]
+    result = {"pairs": len(rows), "correct": sum(r["correct"] for r in rows),
+              "ties": sum(r["tie"] for r in rows),
+              "accuracy": sum(r["correct"] for r in rows) / len(rows),
+              "reward_checkpoint": meta["sha256"], "used_for_selection": False, "rows": rows}
+    if result["pairs"] != 180:
+        raise ReproError(f"expected 180 test pairs, found {result['pairs']}")
+    write_json(REWARD_TEST, result)
+    return {k: v for k, v in result.items() if k != "rows"}
+
+
+# ---------------------------------------------------------------- policy evaluation
+
+
+def judge(generation: dict, expected_action: int) -> dict:
+    verdict = evaluate_response(generation["text"], generation["finish_reason"], expected_action)
+    logratio = sum(a - b for a, b in zip(generation["actor_logprobs"],
+                                         generation["reference_logprobs"]))
+    return {**verdict, "response_tokens": generation["response_tokens"],
+            "cut": generation["finish_reason"] != "eos",
+            "learned_score": generation["learned_reward_score"],
+            "logratio_per_token": logratio / max(1, generation["response_tokens"])}
+
+
+def summarize(rows: list[dict]) -> dict:
+    count = len(rows)
+    recognized = [r for r in rows if r["recognized"]]
+    unsupported = sum(r["unsupported_certainty"] is True for r in recognized)
+    return {
+        "rows": count,
+        "rubric_success": sum(r["rubric_success"] for r in rows),
+        "rubric_success_rate": sum(r["rubric_success"] for r in rows) / count,
+        "recognized": len(recognized),
+        "recognized_rate": len(recognized) / count,
+        "uncertified": count - len(recognized),
+        "relevant_among_recognized": sum(r["relevant"] for r in recognized),
+        "relevant_rate_among_recognized":
+            sum(r["relevant"] for r in recognized) / len(recognized) if recognized else None,
+        "unsupported_certainty": unsupported,
+        "unsupported_certainty_rate_among_recognized":
+            unsupported / len(recognized) if recognized else None,
+        "refusals": sum(r["refusal"] for r in rows),
+        "without_eos": sum(r["cut"] for r in rows),
+        "mean_response_tokens": sum(r["response_tokens"] for r in rows) / count,
+        "mean_learned_score": sum(r["learned_score"] for r in rows) / count,
+        "mean_logratio_per_token": sum(r["logratio_per_token"] for r in rows) / count,
+    }
+
+
+def populations(rows: list[dict]) -> dict[str, list[dict]]:
+    def unique(selected):
+        first = {}
+        for r in selected:
+            first.setdefault(r["prompt"], r)
+        return list(first.values())
+
+    probe = [r for r in rows if r["split"] == "probe"]
+    return {"test_rows": [r for r in rows if r["split"] == "test"], "probe_rows": probe,
+            "probe_unique_contexts": unique(probe), "all_rows": rows,
+            "all_unique_contexts": unique(rows)}
+
+
+def evaluate_policy(policy: str, gold: dict) -> dict:
+    path = Path(f"outputs/inference/{policy}.json")
+    check_repeated_probes(path)
+    rows = []
+    for item in read_json(path)["rows"]:
+        page = item["page"]
+        rows.append({"document_id": page["document_id"], "split": page["split"],
+                     "prompt": page["prompt"], "text": item["generation"]["text"],
+                     **judge(item["generation"], gold[page["document_id"]]["expected_action"])})
+    metrics = {name: summarize(selected) for name, selected in populations(rows).items()}
+    if [metrics[p]["rows"] for p in ("test_rows", "probe_rows", "probe_unique_contexts",
+                                      "all_rows", "all_unique_contexts")] != [180, 80, 20, 260,
+                                                                              200]:
+        raise ReproError(f"{path}: populations are not 180/80/20/260/200 rows")
+    return {"metrics": metrics, "rows": rows, "generation_sha256": sha256_file(path)}
+
+
+def resume_checks() -> dict:
+    checks = {}
+    for branch in RESUME_CHECKS:
+        path = Path(f"outputs/learning/{branch}/resume-check.json")
+        if not path.is_file():
+            raise ReproError(f"{path} is missing: results need every resume check "
+                             f"(snakemake {branch}_resume_check)")
+        status = read_json(path)["status"]
+        if status != "PASS":
+            raise ReproError(f"{path} says {status}: no results from a failed resume check")
+        checks[branch] = {"status": status, "sha256": sha256_file(path)}
+    return checks
+
+
+def stage_timings() -> dict:
+    """Wall seconds and peak memory of every stage, from the manifests' run sections."""
+    keys = ("wall_seconds", "peak_rss_mb")
+    return {path.stem: {k: read_json(path)["run"].get(k) for k in keys}
+            for path in sorted(Path("outputs/manifests").glob("*.json"))}
+
+
+def evaluate(config: dict, policies: list[str]) -> dict:
+    """outputs/results.json and results.md; refuses unless every resume check is PASS."""
+    checks = resume_checks()
+    gold = {g["document_id"]: g for g in corpus.read("labels/gold.json", "evaluation")}
+    results = {
+        "scope": SCOPE,
+        "learned_score_name": SCORE_NAME,
+        "resume_checks": checks,
+        "reward_model_test": {k: v for k, v in read_json(REWARD_TEST).items() if k != "rows"},
+        "sft_validation": {k: v for k, v in read_json(SFT_VALIDATION).items() if k != "rows"},
+        "ppo_sampled_responses": {k: v for k, v in read_json(PPO_SAMPLED).items()
+                                  if k != "iterations"},
+        "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
+        "stage_timings": stage_timings(),
+    }
+    validate_results(results)
+    write_json(RESULTS, results)
+    atomic_write_text(RESULTS_MD, markdown(results))
+    headline = {}
+    for policy, result in results["policies"].items():
+        test = result["metrics"]["test_rows"]
+        headline[policy] = {"test_rubric_success_rate": test["rubric_success_rate"],
+                            "test_mean_learned_score": test["mean_learned_score"]}
+    return headline
+
+
+def validate_results(results: dict) -> None:
+    import jsonschema
+    import yaml
+
+    schema = yaml.safe_load((Path(__file__).with_name("schemas") /
+                             "results.schema.yaml").read_text())
+    try:
+        jsonschema.validate(results, schema)
+    except jsonschema.ValidationError as error:
+        where = ".".join(map(str, error.absolute_path))
+        raise ReproError(f"results.json would not fit its schema at {where}: {error.message}")
+    for policy, result in results["policies"].items():
+        for name, m in result["metrics"].items():
+            if not m["rubric_success"] <= m["recognized"] <= m["rows"]:
+                raise ReproError(f"{policy}/{name}: success <= recognized <= rows violated")
+            if m["unsupported_certainty"] > m["recognized"]:
+                raise ReproError(f"{policy}/{name}: unsupported certainty above recognized")
+
+
+def _percent(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f} %"
+
+
+def markdown(results: dict) -> str:
+    lines = ["# reprorl results", "", results["scope"], ""]
+    header = ("| policy | population | rows | rubric success | recognized | UNCERTIFIED | "
+              "relevant (of recognized) | unsupported certainty (of recognized) | refusals | "
+              f"without EOS | mean tokens | mean {SCORE_NAME} | mean log-ratio to reference |")
+    lines += ["## Policies", "", header, "|" + "---|" * 13]
+    for policy, result in results["policies"].items():
+        for name, m in result["metrics"].items():
+            lines.append(
+                f"| {policy} | {name} | {m['rows']} | {_percent(m['rubric_success_rate'])} | "
+                f"{_percent(m['recognized_rate'])} | {m['uncertified']} | "
+                f"{_percent(m['relevant_rate_among_recognized'])} | "
+                f"{_percent(m['unsupported_certainty_rate_among_recognized'])} | "
+                f"{m['refusals']} | {m['without_eos']} | {m['mean_response_tokens']:.1f} | "
+                f"{m['mean_learned_score']:.3f} | {m['mean_logratio_per_token']:.4f} |")
+    test = results["reward_model_test"]
+    lines += ["", "## Reward model", "",
+              f"Accuracy on the 180 test pairs: {_percent(test['accuracy'])} "
+              f"({test['correct']} correct, {test['ties']} ties); never used for selection.",
+              "", "## Resume checks", ""]
+    lines += [f"- {name}: {c['status']}" for name, c in results["resume_checks"].items()]
+    sampled = results["ppo_sampled_responses"]
+    lines += ["", "## PPO sampled responses (temperature 1, during training)", "",
+              "| window | rubric success | recognized | mean reward-model score |",
+              "|---|---|---|---|"]
+    for window in ("first_10", "last_10"):
+        w = sampled[window]
+        lines.append(f"| {window.replace('_', ' ')} iterations | "
+                     f"{_percent(w['rubric_success_rate'])} | {_percent(w['recognized_rate'])} "
+                     f"| {w['mean_reward_model_score']:.3f} |")
+    lines += ["", "## Stage timings", "", "| stage | wall seconds | peak RSS (MB) |",
+              "|---|---|---|"]
+    for stage, t in results["stage_timings"].items():
+        lines.append(f"| {stage} | {t['wall_seconds']} | {t['peak_rss_mb']} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- politeness exercise
+
+
+def protected_files() -> list[Path]:
+    files = [CHECKPOINTS / "reward-final.safetensors", CHECKPOINTS / "reward-final.json",
+             RESULTS, REWARD_TEST]
+    return files + sorted(Path("outputs/inference").glob("*.json"))
+
+
+def exercise(config: dict) -> dict:
+    before = {str(p): sha256_file(p) for p in protected_files()}
+    tokenizer = load_tokenizer(config["model"]["path"])
+    reward, meta = load_final("reward", "reward", config)
+    reward.requires_grad_(False)
+    identity = learned_identity(reward)
+    pages = {r["document_id"]: r for r in corpus.read("input/pages.json", "evaluation")}
+    labels = [g for g in corpus.read("labels/gold.json", "evaluation")
+              if pages[g["document_id"]]["split"] == "probe"]
+    if len(labels) != 80:
+        raise ReproError(f"expected 80 probe candidates, found {len(labels)}")
+    scores = score_pairs(reward, tokenizer, [(g["document_id"], pages[g["document_id"]]["prompt"],
+                                              g["candidate_response"]) for g in labels],
+                         config["limits"])
+    rows = [{"document_id": g["document_id"], "family": pages[g["document_id"]]["family"],
+             "candidate": g["candidate_response"], "correct": g["candidate_correct"],
+             "polite": g["candidate_polite"], "learned_score": s}
+            for g, s in zip(labels, scores)]
+    contexts = []
+    for family in sorted({r["family"] for r in rows}):
+        cell = {(r["correct"], r["polite"]): r["learned_score"] for r in rows
+                if r["family"] == family}
+        contexts.append({
+            "family": family,
+            "correct_politeness_delta": cell[True, True] - cell[True, False],
+            "incorrect_politeness_delta": cell[False, True] - cell[False, False],
+            "polite_wrong_outranks_plain_correct": cell[False, True] > cell[True, False],
+        })
+    after = {str(p): sha256_file(p) for p in protected_files()}
+    if after != before or learned_identity(reward) != identity:
+        raise ReproError("the exercise changed the reward model or a main artifact")
+    count = len(contexts)
+    result = {
+        "probe_rows": len(rows), "contexts": count,
+        "polite_wrong_outranks_plain_correct": sum(
+            c["polite_wrong_outranks_plain_correct"] for c in contexts),
+        "mean_correct_politeness_delta": sum(c["correct_politeness_delta"]
+                                             for c in contexts) / count,
+        "mean_incorrect_politeness_delta": sum(c["incorrect_politeness_delta"]
+                                               for c in contexts) / count,
+        "politeness_raises_score_in_contexts": {
+            "correct": sum(c["correct_politeness_delta"] > 0 for c in contexts),
+            "incorrect": sum(c["incorrect_politeness_delta"] > 0 for c in contexts)},
+        "reward_checkpoint": meta["sha256"], "hashes_unchanged": before, "refit": False,
+        "contexts_detail": contexts, "rows": rows,
+        "note": f"scores are the frozen reward model's {SCORE_NAME}; a politeness gain is "
+                "not evidence that PPO exploits it: read the policies' outputs too",
+    }
+    write_json(EXERCISE, result)
+    return {k: v for k, v in result.items() if k not in ("contexts_detail", "rows",
+                                                         "hashes_unchanged")}
+
+
+def stage(name: str, config: dict, run, log=print) -> dict:
+    labels = [corpus.CORPUS_DIR / "input/pages.json", corpus.CORPUS_DIR / "labels/gold.json"]
+    reward = [CHECKPOINTS / "reward-final.safetensors", CHECKPOINTS / "reward-final.json"]
+    if name == "reward_test":
+        summary = reward_test(config)
+        run.finish(inputs=[*labels, *reward], outputs=[REWARD_TEST], summary=summary)
+    elif name == "exercise":
+        summary = exercise(config)
+        run.finish(inputs=[*labels, *protected_files()], outputs=[EXERCISE], summary=summary)
+    else:
+        summary = evaluate(config, list(POLICIES))
+        inputs = [*labels, REWARD_TEST, SFT_VALIDATION, PPO_SAMPLED,
+                  *[f"outputs/inference/{p}.json" for p in POLICIES],
+                  *[f"outputs/learning/{b}/resume-check.json" for b in RESUME_CHECKS]]
+        run.finish(inputs=inputs, outputs=[RESULTS, RESULTS_MD], summary=summary)
+    log(str(summary))
+    return summary

@@ -1,0 +1,132 @@
+"""Held-out generation: each policy answers the 180 test and 80 probe rows greedily.
+
+`generation_inputs` cuts those 260 rows (200 distinct prompts) out of the corpus inputs into
+`outputs/inference/pages.json`: prompts only, no label. `generate_<policy>` then runs inside a
+Snakemake shadow directory that holds nothing but its declared inputs, and refuses to start if
+it can see labels or learning outputs. Per row it records the response ids and text, the finish
+reason (eos or cut), whether the ids decode, the frozen reward model's score ("predicted
+simulated preference"), and the actor's and the reference's log-probs of each response token.
+The four probe rows of a context share one prompt; their greedy answers must be identical.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from . import corpus
+from .encoding import Example, collate, load_tokenizer, prompt_ids
+from .manifest import ReproError, peak_rss_mb, read_json, write_json
+from .roles import CHECKPOINTS, load_final
+from .progress import progress
+from .sampling import response_text, sample
+
+PAGES = Path("outputs/inference/pages.json")
+ROWS, DISTINCT_PROMPTS = 260, 200
+# policy -> the name of its final actor export
+POLICIES = {"sft": "sft", "ppo": "ppo"}
+# what generation must not see (relative to its working directory)
+FORBIDDEN = ("data/generated/labels", "data/generated/manifest.json", "outputs/learning",
+             "outputs/reward-test.json", "outputs/results.json", "outputs/exercise")
+
+
+def generation_inputs() -> dict:
+    pages = [r for r in corpus.read("input/pages.json", "generation")
+             if r["split"] in ("test", "probe")]
+    if len(pages) != ROWS or len({r["prompt"] for r in pages}) != DISTINCT_PROMPTS:
+        raise ReproError(f"expected {ROWS} test+probe rows with {DISTINCT_PROMPTS} distinct "
+                         f"prompts, found {len(pages)}")
+    write_json(PAGES, pages)
+    return {"rows": len(pages), "distinct_prompts": DISTINCT_PROMPTS}
+
+
+def assert_isolated() -> None:
+    visible = [name for name in FORBIDDEN if Path(name).exists()]
+    if visible:
+        raise corpus.HeldOutError(
+            f"generation can see {visible}; it must run where only its inputs exist: use "
+            "the Snakemake rule (shadow: minimal), or a folder holding only "
+            f"{PAGES}, the model and the checkpoints"
+        )
+
+
+@torch.no_grad()
+def generate(config: dict, policy: str, log=print) -> dict:
+    assert_isolated()
+    pages = read_json(PAGES)
+    tokenizer = load_tokenizer(config["model"]["path"])
+    actor, actor_meta = load_final(POLICIES[policy], "actor", config)
+    reference, reference_meta = load_final("sft", "reference", config)
+    reward, reward_meta = load_final("reward", "reward", config)
+    limits, eos, pad = config["limits"], tokenizer.eos_token_id, tokenizer.pad_token_id
+    rows, by_prompt = [], {}
+    started = time.perf_counter()
+    bar = progress(len(pages), f"generate {policy}")
+    for page in pages:
+        ids = prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
+        result = sample(actor.backbone, ids, limits["response_tokens"], eos)
+        text = response_text(tokenizer, result)
+        batch = collate([Example(page["document_id"], tuple(ids), tuple(result.response_ids))],
+                        pad)
+        reference_logprobs, _ = reference.token_logprobs(batch)
+        generation = {
+            "response_ids": result.response_ids,
+            "text": text,
+            "finish_reason": result.finish_reason,
+            "decodable": "\ufffd" not in text,
+            "response_tokens": len(result.response_ids),
+            "learned_reward_score": float(reward.score(batch)[0]),
+            "actor_logprobs": result.logprobs,
+            "reference_logprobs": reference_logprobs[0].tolist(),
+        }
+        if page["prompt"] in by_prompt and by_prompt[page["prompt"]] != generation:
+            raise ReproError(f"{page['document_id']}: repeated greedy generations of one "
+                             "prompt differ")
+        by_prompt[page["prompt"]] = generation
+        rows.append({"page": page, "generation": generation})
+        bar.update(1)
+    bar.close()
+    seconds = time.perf_counter() - started
+    result = {
+        "policy": policy,
+        "rows": rows,
+        "row_count": len(rows),
+        "distinct_prompts": len(by_prompt),
+        "repeated_probe_generations_identical": True,
+        "labels_visible": False,
+        "checkpoints": {"actor": actor_meta["sha256"], "reference": reference_meta["sha256"],
+                        "reward": reward_meta["sha256"]},
+    }
+    write_json(f"outputs/inference/{policy}.json", result)
+    return {"policy": policy, "rows": len(rows), "seconds": seconds,
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def check_repeated_probes(path: str | Path) -> None:
+    """Re-check a generation file: every row of one prompt has the same generation."""
+    seen = {}
+    for row in read_json(path)["rows"]:
+        prompt, generation = row["page"]["prompt"], row["generation"]
+        if seen.setdefault(prompt, generation) != generation:
+            raise ReproError(f"{path}: the generations of {row['page']['document_id']} and of "
+                             "an earlier row with the same prompt differ; regenerate it")
+
+
+def stage(name: str, config: dict, run, log=print) -> dict:
+    if name == "generation_inputs":
+        summary = generation_inputs()
+        run.finish(inputs=[corpus.CORPUS_DIR / "input/pages.json"], outputs=[PAGES],
+                   summary=summary)
+        return summary
+    policy = name.removeprefix("generate_")
+    summary = generate(config, policy, log)
+    inputs = [PAGES, config["model"]["path"],
+              *[CHECKPOINTS / f"{n}-final.{e}" for n in {POLICIES[policy], "sft", "reward"}
+                for e in ("safetensors", "json")]]
+    run.finish(inputs=sorted(map(str, inputs)),
+               outputs=[f"outputs/inference/{policy}.json"],
+               summary={"policy": policy, "rows": summary["rows"]},
+               run_info={"seconds": summary["seconds"], "peak_rss_mb": summary["peak_rss_mb"]})
+    return summary

@@ -1,0 +1,150 @@
+"""The report a person reads: figures (PNG) and one self-contained HTML page.
+
+Figures: the base model's pretraining curve; SFT and reward-model training losses with their
+validation per epoch; PPO's sampled responses per iteration (reward-model score and rubric
+success); the policies side by side (rubric success against predicted simulated preference);
+the politeness deltas of the frozen reward model on the 20 probe contexts.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+
+from .manifest import atomic_write_bytes, atomic_write_text, read_json
+
+OUT = Path("outputs/report")
+INPUTS = {
+    "base": Path("outputs/base-model.json"),
+    "sft": Path("outputs/learning/sft/continuous.json"),
+    "reward": Path("outputs/learning/reward/continuous.json"),
+    "ppo": Path("outputs/learning/ppo/rollout-rubric.json"),
+    "results": Path("outputs/results.json"),
+    "exercise": Path("outputs/exercise/reward-shortcuts.json"),
+    "table": Path("outputs/results.md"),
+}
+FIGURES = ("pretraining", "warmstart", "ppo", "policies", "probes")
+
+
+def moving_average(values: list[float], width: int = 10) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - width + 1) : i + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def _save(figure, name: str) -> Path:
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight",
+                   metadata={"Software": None})  # no version stamp: same figure, same bytes
+    path = atomic_write_bytes(OUT / f"{name}.png", buffer.getvalue())
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    return path
+
+
+def figures() -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}
+    paths = []
+
+    figure, axis = plt.subplots(figsize=(6, 3.2))
+    curve = data["base"].get("learning_curve", [])
+    axis.plot(range(1, len(curve) + 1), curve)
+    axis.set(title="Base model pretraining (disjoint population)", xlabel="step",
+             ylabel="cross-entropy", yscale="log")
+    paths.append(_save(figure, "pretraining"))
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    for axis, branch, metric in ((axes[0], "sft", "loss"), (axes[1], "reward", "accuracy")):
+        history = data[branch]["history"]
+        axis.plot([h["update"] for h in history], [h["loss"] for h in history], alpha=0.4,
+                  label="training loss (per update)")
+        axis.plot([h["update"] for h in history], moving_average([h["loss"] for h in history]),
+                  label="moving average (10)")
+        per_epoch = len(history) / len(data[branch]["validation_history"])
+        validation = [(v["epoch"] * per_epoch, v[metric])
+                      for v in data[branch]["validation_history"]]
+        twin = axis.twinx()
+        twin.plot(*zip(*validation), "o--", color="black", label=f"validation {metric}")
+        twin.set_ylabel(f"validation {metric}")
+        axis.set(title=f"{'SFT' if branch == 'sft' else 'Reward model'} (continuous run)",
+                 xlabel="update", ylabel="loss")
+        axis.legend(loc="upper right", fontsize=7)
+        twin.legend(loc="center right", fontsize=7)
+    paths.append(_save(figure, "warmstart"))
+
+    iterations = data["ppo"]["iterations"]
+    steps = [i["iteration"] for i in iterations]
+    figure, axis = plt.subplots(figsize=(7, 3.4))
+    score = [i["mean_reward_model_score"] for i in iterations]
+    success = [i["rubric_success_rate"] for i in iterations]
+    axis.plot(steps, score, alpha=0.3, color="tab:blue")
+    axis.plot(steps, moving_average(score), color="tab:blue", label="predicted simulated pref.")
+    axis.set(title="PPO sampled responses per iteration (4 each, temperature 1)",
+             xlabel="iteration", ylabel="reward-model score")
+    twin = axis.twinx()
+    twin.plot(steps, moving_average(success), color="tab:green", label="rubric success (avg 10)")
+    twin.set(ylabel="rubric success rate", ylim=(-0.05, 1.05))
+    axis.legend(loc="upper left", fontsize=7)
+    twin.legend(loc="lower right", fontsize=7)
+    paths.append(_save(figure, "ppo"))
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for policy, result in data["results"]["policies"].items():
+        for population, marker in (("test_rows", "o"), ("probe_unique_contexts", "s")):
+            m = result["metrics"][population]
+            axis.scatter(m["mean_learned_score"], m["rubric_success_rate"], marker=marker, s=60)
+            axis.annotate(f"{policy} ({population.split('_')[0]})",
+                          (m["mean_learned_score"], m["rubric_success_rate"]),
+                          textcoords="offset points", xytext=(6, 4), fontsize=8)
+    axis.set(title="Policies: learned score vs rubric (greedy, held out)",
+             xlabel="mean predicted simulated preference", ylabel="rubric success rate",
+             ylim=(-0.05, 1.05))
+    paths.append(_save(figure, "policies"))
+
+    contexts = data["exercise"]["contexts_detail"]
+    figure, axis = plt.subplots(figsize=(9, 3.4))
+    x = range(len(contexts))
+    axis.bar([i - 0.2 for i in x], [c["correct_politeness_delta"] for c in contexts], 0.4,
+             label="correct advice: polite - plain")
+    axis.bar([i + 0.2 for i in x], [c["incorrect_politeness_delta"] for c in contexts], 0.4,
+             label="incorrect advice: polite - plain")
+    axis.axhline(0, color="black", linewidth=0.8)
+    axis.set_xticks(list(x), [c["family"] for c in contexts], rotation=60, fontsize=7)
+    axis.set(title=f"Politeness deltas of the frozen reward model; polite wrong outranks plain "
+                   f"correct in {data['exercise']['polite_wrong_outranks_plain_correct']}/20",
+             ylabel="score delta")
+    axis.legend(fontsize=7)
+    paths.append(_save(figure, "probes"))
+    return paths
+
+
+def page(paths: list[Path]) -> str:
+    table = INPUTS["table"].read_text()
+    images = "\n".join(
+        f'<h2>{html.escape(p.stem)}</h2><img alt="{p.stem}" src="data:image/png;base64,'
+        f'{base64.b64encode(p.read_bytes()).decode()}">' for p in paths)
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>reprorl report</title>"
+            "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto}"
+            "img{max-width:100%}pre{white-space:pre-wrap;font-size:12px}</style></head><body>"
+            f"<h1>reprorl report</h1>{images}<h2>Tables</h2><pre>{html.escape(table)}</pre>"
+            "</body></html>\n")
+
+
+def stage(name: str, config: dict, run, log=print) -> dict:
+    paths = figures()
+    atomic_write_text(OUT / "report.html", page(paths))
+    run.finish(inputs=list(INPUTS.values()), outputs=[*paths, OUT / "report.html"],
+               summary={"figures": [p.name for p in paths]})
+    log(f"report written to {OUT / 'report.html'}")
+    return {"figures": len(paths)}
