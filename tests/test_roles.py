@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from reprorl import roles
 from reprorl.encoding import Batch, Example, collate, example, load_tokenizer
 from reprorl.manifest import ReproError

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from reprorl import config as configuration
 from reprorl import corpus, roles, warmstart
 from reprorl.manifest import ReproError, read_json

@@ -4,19 +4,24 @@ One module-scoped run builds everything; the tests then probe no-op reruns, the 
 invalidation, preserved artifacts and config errors against it.
 """
 
+import json
+import os
 import re
 from pathlib import Path
 
 import pytest
-
 from conftest import copy_workflow, reprorl, snakemake
-from reprorl.manifest import read_json, sha256_file
+
+from reprorl import config as configuration
+from reprorl.manifest import read_json, sha256_file, write_json
 
 pytestmark = pytest.mark.e2e
 MODES = ("interrupt", "continuous", "resume", "resume_check")
 WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward") for mode in MODES}
 WARMSTART |= {"sft_validation"}
 PPO = {f"ppo_{mode}" for mode in MODES} | {"ppo_report"}
+# what any change to a policy re-runs downstream of it
+JUDGING = {"generate_sft", "generate_ppo", "reward_test", "evaluate", "exercise", "report"}
 
 
 def run(workdir: Path, *args: str, check: bool = True):
@@ -44,7 +49,7 @@ def test_full_run_outputs(workflow):
     for check in ("sft", "reward", "ppo"):
         assert read_json(workflow / f"outputs/learning/{check}/resume-check.json")["status"] == (
             "PASS")
-    for stage in ("prepare", "base_model", *sorted(WARMSTART | PPO)):
+    for stage in ("prepare", "base_model", *sorted(WARMSTART | PPO | JUDGING)):
         manifest = read_json(workflow / f"outputs/manifests/{stage}.json")
         assert manifest["hashed"]["code_sha256"] and manifest["run"]["wall_seconds"] >= 0
         assert (workflow / f"outputs/benchmarks/{stage}.tsv").is_file()
@@ -82,6 +87,59 @@ def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
     assert len(rubric["iterations"]) == 100 and set(rubric["first_10"]) >= {"rubric_success_rate"}
 
 
+def test_results_fit_their_schema_and_invariants(workflow):
+    from reprorl.evaluate import validate_results
+
+    results = read_json(workflow / "outputs/results.json")
+    validate_results(results)
+    assert results["learned_score_name"] == "predicted simulated preference"
+    assert {c["status"] for c in results["resume_checks"].values()} == {"PASS"}
+    for policy in ("sft", "ppo"):
+        metrics = results["policies"][policy]["metrics"]
+        assert [metrics[p]["rows"] for p in ("test_rows", "probe_rows", "probe_unique_contexts",
+                                            "all_rows", "all_unique_contexts")] == [
+            180, 80, 20, 260, 200]
+    table = (workflow / "outputs/results.md").read_text()
+    assert "no human study" in table and "predicted simulated preference" in table
+    assert len(list((workflow / "outputs/report").glob("*.png"))) == 5
+
+
+def test_exercise_left_every_hash_unchanged(workflow):
+    exercise = read_json(workflow / "outputs/exercise/reward-shortcuts.json")
+    assert exercise["contexts"] == 20 and exercise["probe_rows"] == 80 and not exercise["refit"]
+    for path, digest in exercise["hashes_unchanged"].items():
+        assert sha256_file(workflow / path) == digest, path
+
+
+def test_evaluation_refuses_tampered_generations_and_failed_checks(workflow):
+    generations = workflow / "outputs/inference/ppo.json"
+    check = workflow / "outputs/learning/ppo/resume-check.json"
+    originals = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in (generations, check)}
+    try:
+        content = read_json(generations)
+        probes = [r for r in content["rows"] if r["page"]["split"] == "probe"]
+        probes[1]["generation"]["text"] += " tampered"
+        write_json(generations, content)
+        result = reprorl(workflow, "evaluate", "--config", "configs/ci.yaml")
+        assert result.returncode == 2 and "with the same prompt differ" in result.stderr
+        generations.write_bytes(originals[generations][0])
+        check.write_text(check.read_text().replace('"PASS"', '"FAIL"'))
+        result = reprorl(workflow, "evaluate", "--config", "configs/ci.yaml")
+        assert result.returncode == 2 and "says FAIL" in result.stderr
+        check.unlink()
+        result = reprorl(workflow, "evaluate", "--config", "configs/ci.yaml")
+        assert result.returncode == 2 and "resume-check.json is missing" in result.stderr
+    finally:  # restore bytes and times, so Snakemake sees nothing to redo
+        for path, (data, mtime) in originals.items():
+            path.write_bytes(data)
+            os.utime(path, ns=(mtime, mtime))
+
+
+def test_generation_refuses_to_run_where_labels_are_visible(workflow):
+    result = reprorl(workflow, "generate_sft", "--config", "configs/ci.yaml")
+    assert result.returncode == 2 and "generation can see" in result.stderr
+
+
 def test_noop_rerun_plans_nothing(workflow):
     out = run(workflow).stdout + run(workflow, "-n").stdout
     assert "Nothing to be done" in out
@@ -95,11 +153,13 @@ def test_audit_target_passes(workflow):
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("ppo_math.py", PPO),
-        ("warmstart.py", WARMSTART | PPO),  # PPO starts from the warm-start checkpoints
-        ("lora.py", WARMSTART | PPO),
-        ("base_model.py", {"base_model"} | WARMSTART | PPO),  # everything built on the base
-        ("rubric.py", {"prepare", "base_model"} | WARMSTART | PPO),
+        ("ppo_math.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
+        ("report.py", {"report"}),
+        ("evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
+        ("warmstart.py", WARMSTART | PPO | JUDGING),  # PPO starts from the warm start
+        ("base_model.py", {"base_model"} | WARMSTART | PPO | JUDGING),
+        ("rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO
+         | JUDGING),
         ("cli.py", set()),
     ],
 )
@@ -167,3 +227,60 @@ def test_cli_runs_a_stage_from_a_profile(workflow):
     assert result.returncode == 0, result.stderr  # identical corpus: kept, manifest rewritten
     result = reprorl(workflow, "base_model", "--config", "configs/nope.yaml")
     assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+def _snapshot(workdir: Path) -> dict[str, str]:
+    return {str(p.relative_to(workdir)): sha256_file(p)
+            for top in ("data", "assets", "outputs") for p in (workdir / top).rglob("*")
+            if p.is_file() and ".snakemake" not in p.parts}
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+BAD_INPUTS = {
+    # case: (file to damage or None, command, expected message)
+    "corrupted checkpoint": ("assets/checkpoints/reward-final.safetensors",
+                             ["reward_test", "--config", "configs/ci.yaml"],
+                             "does not match the sha256"),
+    "tampered corpus file": ("data/generated/input/pages.json",
+                             ["generation_inputs", "--config", "configs/ci.yaml"],
+                             "the corpus was modified"),
+    "missing model directory": (None, ["base_model", "--config", "configs/qwen2.5-0.5b.yaml"],
+                                "no model at assets/qwen2.5-0.5b-instruct"),
+    "wrong-architecture model": (None, ["base_model", "--config-json", "QWEN_ON_TINY"],
+                                 "hidden_size=64, the profile expects 896"),
+    "invalid config": (None, ["prepare", "--config-json", '{"seed": "49"}'],
+                       "config key seed: '49' is not of type 'integer'"),
+    "overwrite a preserved checkpoint": (None, ["sft_interrupt", "--config", "configs/ci.yaml"],
+                                         "checkpoints are preserved"),
+    "labels visible to generation": (None, ["generate_ppo", "--config", "configs/ci.yaml"],
+                                     "generation can see"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_cleanly(workflow, case):
+    damaged, command, message = BAD_INPUTS[case]
+    if "QWEN_ON_TINY" in command:  # the Qwen profile pointed at the tiny embedded base
+        qwen = configuration.load(workflow / "configs/qwen2.5-0.5b.yaml")
+        qwen["model"]["path"] = "assets/model"
+        command = [json.dumps(qwen) if c == "QWEN_ON_TINY" else c for c in command]
+    original = (workflow / damaged).read_bytes() if damaged else None
+    mtime = (workflow / damaged).stat().st_mtime_ns if damaged else None
+    try:
+        if damaged:
+            _flip_byte(workflow / damaged)
+        before = _snapshot(workflow)
+        result = reprorl(workflow, *command)
+        assert result.returncode == 2, result.stdout + result.stderr
+        error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+        assert _snapshot(workflow) == before  # nothing produced was lost or overwritten
+    finally:
+        if damaged:
+            (workflow / damaged).write_bytes(original)
+            os.utime(workflow / damaged, ns=(mtime, mtime))

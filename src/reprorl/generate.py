@@ -19,8 +19,8 @@ import torch
 from . import corpus
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .manifest import ReproError, peak_rss_mb, read_json, write_json
-from .roles import CHECKPOINTS, load_final
 from .progress import progress
+from .roles import CHECKPOINTS, load_final
 from .sampling import response_text, sample
 
 PAGES = Path("outputs/inference/pages.json")

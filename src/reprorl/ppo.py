@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 from . import corpus, ppo_math, roles
-from .roles import CHECKPOINTS, load_final
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .manifest import ReproError, hash_paths, peak_rss_mb, read_json, sha256_file, write_json
-from .rubric import evaluate_response
 from .progress import progress
+from .roles import CHECKPOINTS, load_final
+from .rubric import evaluate_response
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
 from .state import first_difference, load_state, restore_rng, rng_state, save_state, seed_everything
@@ -298,7 +298,8 @@ def train(config: dict, mode: str, log=print) -> dict:
               "numerical_note": "behaviour log-probs come from the cached sampler and are the "
                                 "ones used; rescoring_gap is their largest difference from a "
                                 "teacher-forced pass before the first update"}
-    write_json(f"outputs/learning/ppo/{mode}.json", {**report, "costs": costs})
+    # costs vary run to run: they go to the manifest's run section, not into this file
+    write_json(f"outputs/learning/ppo/{mode}.json", report)
     if mode == "resume":
         roles.save_final(roles_["actor"], "ppo", run_identity, config)
         roles.save_final(roles_["critic"], "critic", run_identity, config)
@@ -388,5 +389,5 @@ def stage(name: str, config: dict, run, log=print) -> dict:
                     for e in ("safetensors", "json")]
     costs = summary.pop("costs")
     run.finish(inputs=inputs, outputs=outputs, summary=summary,
-               run_info={k: v for k, v in costs.items()})
+               run_info=costs)
     return summary

@@ -64,7 +64,7 @@ def figures() -> list[Path]:
              ylabel="cross-entropy", yscale="log")
     paths.append(_save(figure, "pretraining"))
 
-    figure, axes = plt.subplots(1, 2, figsize=(11, 3.4))
+    figure, axes = plt.subplots(1, 2, figsize=(12, 3.6))
     for axis, branch, metric in ((axes[0], "sft", "loss"), (axes[1], "reward", "accuracy")):
         history = data[branch]["history"]
         axis.plot([h["update"] for h in history], [h["loss"] for h in history], alpha=0.4,
@@ -81,6 +81,7 @@ def figures() -> list[Path]:
                  xlabel="update", ylabel="loss")
         axis.legend(loc="upper right", fontsize=7)
         twin.legend(loc="center right", fontsize=7)
+    figure.tight_layout(w_pad=3)
     paths.append(_save(figure, "warmstart"))
 
     iterations = data["ppo"]["iterations"]
@@ -99,17 +100,18 @@ def figures() -> list[Path]:
     twin.legend(loc="lower right", fontsize=7)
     paths.append(_save(figure, "ppo"))
 
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for policy, result in data["results"]["policies"].items():
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for color, (policy, result) in zip(colors, data["results"]["policies"].items()):
         for population, marker in (("test_rows", "o"), ("probe_unique_contexts", "s")):
             m = result["metrics"][population]
-            axis.scatter(m["mean_learned_score"], m["rubric_success_rate"], marker=marker, s=60)
-            axis.annotate(f"{policy} ({population.split('_')[0]})",
-                          (m["mean_learned_score"], m["rubric_success_rate"]),
-                          textcoords="offset points", xytext=(6, 4), fontsize=8)
+            axis.scatter(m["mean_learned_score"], m["rubric_success_rate"], marker=marker, s=70,
+                         color=color, alpha=0.8,
+                         label=f"{policy}, {population.replace('_', ' ')}")
     axis.set(title="Policies: learned score vs rubric (greedy, held out)",
              xlabel="mean predicted simulated preference", ylabel="rubric success rate",
              ylim=(-0.05, 1.05))
+    axis.legend(fontsize=7, loc="upper left")
     paths.append(_save(figure, "policies"))
 
     contexts = data["exercise"]["contexts_detail"]

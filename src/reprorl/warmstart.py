@@ -238,7 +238,8 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     }
     costs = {"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
              "tokens_per_second": tokens_seen / seconds if seconds else None}
-    write_json(f"outputs/learning/{branch}/{mode}.json", {**report, "costs": costs})
+    # costs vary run to run: they go to the manifest's run section, not into this file
+    write_json(f"outputs/learning/{branch}/{mode}.json", report)
     if mode == "resume":
         roles.save_final(role, branch, run_identity, config)
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
