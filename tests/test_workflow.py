@@ -199,14 +199,14 @@ def test_tampered_corpus_is_named_and_kept(workflow):
         audit_log = (workflow / "logs/audit.log").read_text()
         assert "data/generated/labels/gold.json differs" in audit_log
         # a forced prepare refuses, names the file, and overwrites nothing
-        result = run(workflow, "--forcerun", "prepare", "prepare", check=False)
+        result = run(workflow, "prepare", "--forcerun", "prepare", check=False)
         assert result.returncode != 0
         log = (workflow / "logs/prepare.log").read_text()
         assert "data/generated/labels/gold.json is not what this code generates" in log
         assert sha256_file(target) == tampered
     finally:
         target.write_bytes(original)
-    run(workflow, "--forcerun", "prepare", "prepare")  # identical corpus: kept
+    run(workflow, "prepare", "--forcerun", "prepare")  # identical corpus: kept
     run(workflow, "audit")
 
 
