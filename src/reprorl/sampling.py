@@ -38,7 +38,7 @@ def _draw(logits: torch.Tensor, generator: torch.Generator | None,
     return token, float(scores[token])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
            generator: torch.Generator | None = None, temperature: float = 1.0) -> Sample:
     output = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
@@ -62,7 +62,7 @@ def response_text(tokenizer, result: Sample) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sample_without_cache(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
                          generator: torch.Generator | None = None,
                          temperature: float = 1.0) -> Sample:
