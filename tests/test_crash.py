@@ -47,11 +47,13 @@ def _snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
 
 def _files(workdir: Path) -> dict[str, str]:
     """sha256 of every file under a final name; a manifest counts by its hashed section (its
-    run section holds timings). Temporary files (".tmp") and Snakemake's own are left out."""
+    run section holds timings). Temporary files and folders (".tmp") and Snakemake's own are
+    left out."""
     files = {}
     for top in TRACKED:
         for path in (workdir / top).rglob("*"):
-            if not path.is_file() or path.name.endswith(".tmp") or "benchmarks" in path.parts \
+            temporary = any(part.endswith(".tmp") for part in path.parts)
+            if not path.is_file() or temporary or "benchmarks" in path.parts \
                     or path.name == ".snakemake_timestamp":
                 continue
             name = str(path.relative_to(workdir))

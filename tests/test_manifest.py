@@ -86,3 +86,11 @@ def test_stage_without_manifest_is_an_error(in_tmp):
     with pytest.raises(RuntimeError, match="without writing its manifest"):
         with StageRun("x", config={}, code_hash="h"):
             pass
+
+
+def test_atomic_directory_clears_scratch_left_by_a_killed_run(in_tmp):
+    Path(".model.abc123.tmp").mkdir()
+    (Path(".model.abc123.tmp") / "half.bin").write_bytes(b"x")
+    with atomic_directory("model") as scratch:
+        (scratch / "w.bin").write_bytes(b"y")
+    assert sorted(os.listdir(".")) == ["model"]

@@ -90,3 +90,13 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
         response[row, width - len(e.response_ids):] = True
     positions = (attention.cumsum(1) - 1).clamp(min=0)
     return Batch(input_ids, attention, positions, response)
+
+
+def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
+    """True at each row's last active column."""
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = positions.masked_fill(~mask, -1).max(1).values
+    dones = torch.zeros_like(mask)
+    rows = torch.arange(mask.shape[0])[last >= 0]
+    dones[rows, last[last >= 0]] = True
+    return dones

@@ -27,6 +27,7 @@ from .generate import POLICIES, check_repeated_probes
 from .manifest import ReproError, atomic_write_text, read_json, sha256_file, write_json
 from .roles import CHECKPOINTS, learned_identity, load_final
 from .rubric import evaluate_response
+from .stages import STAGES
 
 RESULTS, RESULTS_MD = Path("outputs/results.json"), Path("outputs/results.md")
 REWARD_TEST = Path("outputs/reward-test.json")
@@ -40,6 +41,8 @@ SCOPE = ("Synthetic finite grammar and simulated preferences; no human study. Th
          "rows hold 20 unique contexts, and the 260 rows per policy hold 200 unique contexts: "
          "rows are not independent situations.")
 RESUME_CHECKS = ("sft", "reward", "ppo")
+UPSTREAM_STAGES = [name for name in STAGES
+                   if name not in ("evaluate", "exercise", "report", "audit")]
 
 
 @torch.no_grad()
@@ -164,10 +167,13 @@ def resume_checks() -> dict:
 
 
 def stage_timings() -> dict:
-    """Wall seconds and peak memory of every stage, from the manifests' run sections."""
+    """Wall seconds and peak memory of every stage upstream of evaluation, from the manifests'
+    run sections (a fixed list, so stale manifests of other stages never leak in). They vary
+    run to run, so results.json is hashed for integrity, not compared across runs; every
+    learned artifact is."""
     keys = ("wall_seconds", "peak_rss_mb")
-    return {path.stem: {k: read_json(path)["run"].get(k) for k in keys}
-            for path in sorted(Path("outputs/manifests").glob("*.json"))}
+    return {stage: {k: read_json(f"outputs/manifests/{stage}.json")["run"].get(k) for k in keys}
+            for stage in UPSTREAM_STAGES}
 
 
 def evaluate(config: dict, policies: list[str]) -> dict:
@@ -329,6 +335,9 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         run.finish(inputs=[*labels, *protected_files()], outputs=[EXERCISE], summary=summary)
     else:
         summary = evaluate(config, list(POLICIES))
+        # the upstream manifests are read for their run sections (timings) only; they are not
+        # inputs of the results: re-running an upstream stage to identical outputs must not
+        # make the audit call the results stale
         inputs = [*labels, REWARD_TEST, SFT_VALIDATION, PPO_SAMPLED,
                   *[f"outputs/inference/{p}.json" for p in POLICIES],
                   *[f"outputs/learning/{b}/resume-check.json" for b in RESUME_CHECKS]]

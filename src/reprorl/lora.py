@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .manifest import ReproError, atomic_write_bytes, write_json
+from .manifest import ReproError, atomic_directory, atomic_write_bytes, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -113,8 +113,9 @@ def export_peft(model: nn.Module, directory: str | Path, base_path: str, rank: i
         "inference_mode": True,
         "modules_to_save": None,
     }
-    atomic_write_bytes(directory / "adapter_model.safetensors", save(peft_state(model)))
-    write_json(directory / "adapter_config.json", config)
+    with atomic_directory(directory) as scratch:  # both files appear together or not at all
+        atomic_write_bytes(scratch / "adapter_model.safetensors", save(peft_state(model)))
+        write_json(scratch / "adapter_config.json", config)
     return directory
 
 

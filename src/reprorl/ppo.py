@@ -27,7 +27,15 @@ import torch
 from . import corpus, ppo_math, roles
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
-from .manifest import ReproError, hash_paths, peak_rss_mb, read_json, sha256_file, write_json
+from .manifest import (
+    ReproError,
+    atomic_directory,
+    hash_paths,
+    peak_rss_mb,
+    read_json,
+    sha256_file,
+    write_json,
+)
 from .progress import progress
 from .roles import CHECKPOINTS, load_final
 from .rubric import evaluate_response
@@ -36,6 +44,9 @@ from .schedule import linear_warmup_decay
 from .state import first_difference, load_state, restore_rng, rng_state, save_state, seed_everything
 
 ITERATIONS, INTERRUPT_AT, PROMPTS_PER_ITERATION, UPDATES_PER_BATCH = 100, 40, 4, 2
+# Sampling temperature, fixed by the specification: the actor loss and the KL reward use
+# untempered log-probs, which are the behaviour log-probs only at temperature 1.
+TEMPERATURE = 1.0
 ROLLOUT_PROMPTS = 672
 ROLLOUT_DIR = Path("outputs/learning/rollouts")
 INPUT_CHECKPOINTS = [CHECKPOINTS / f"{b}-final.{e}" for b in ("sft", "reward")
@@ -96,7 +107,7 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
         for page in pages:
             ids = prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
             result = sample(actor.backbone, ids, limits["response_tokens"],
-                            tokenizer.eos_token_id, generator, settings["temperature"])
+                            tokenizer.eos_token_id, generator, TEMPERATURE)
             samples.append(result)
             examples.append(Example(page["document_id"], tuple(ids), tuple(result.response_ids)))
     batch = collate(examples, tokenizer.pad_token_id)
@@ -115,7 +126,7 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
     cut = torch.tensor([s.finish_reason == "cut" for s in samples])
     rewards = ppo_math.token_rewards(logp_old, logp_ref, mask, scores, cut,
                                      settings["kl_coef"], settings["cut_penalty"])
-    advantages, returns = ppo_math.gae(rewards * mask, values * mask, mask,
+    advantages, returns = ppo_math.gae(rewards, values * mask, mask,
                                        settings["gamma"], settings["lam"])
     per_token = {name: masked_rows(x, mask) for name, x in (
         ("behaviour_logprobs", logp_old), ("reference_logprobs", logp_ref), ("values", values),
@@ -232,39 +243,42 @@ def train(config: dict, mode: str, log=print) -> dict:
     stop = INTERRUPT_AT if mode == "interrupt" else ITERATIONS
     timer = PhaseTimer()
     started = time.perf_counter()
-    rollout_dir = ROLLOUT_DIR / mode
     bar = progress(ITERATIONS, f"ppo {mode}", initial=iteration)
-    while iteration < stop:
-        chosen, order, cursor = next_prompts(order, cursor, prompt_generator,
-                                             PROMPTS_PER_ITERATION, len(pages))
-        rollouts, tensors = collect(roles_, tokenizer, [pages[i] for i in chosen],
-                                    iteration + 1, generation, settings, limits, timer)
-        ids = [r["rollout_id"] for r in rollouts]
-        if set(ids) & set(consumed) or len(set(ids)) != len(ids):
-            raise ReproError(f"rollout ids consumed twice: {sorted(set(ids) & set(consumed))}")
-        update_stats = []
-        for _ in range(UPDATES_PER_BATCH):
-            update_stats.append(update(roles_, optimizers, tensors, schedule(updates), settings,
-                                       timer))
-            updates += 1
-        consumed.extend(ids)
-        iteration += 1
-        bar.update(1)
-        entry = {
-            "iteration": iteration,
-            "rollout_ids": ids,
-            "mean_reward_model_score": sum(r["reward_model_score"] for r in rollouts) / len(ids),
-            "cut": sum(r["finish_reason"] == "cut" for r in rollouts),
-            "mean_response_tokens": sum(len(r["response_ids"]) for r in rollouts) / len(ids),
-            "rescoring_gap": tensors["rescoring_gap"],
-            "updates": update_stats,
-        }
-        history.append(entry)
-        write_json(rollout_dir / f"iteration-{iteration:03d}.json",
-                   {"iteration": iteration, "rollouts": rollouts})
-        if iteration % 10 == 0 or iteration == stop:
-            log(f"ppo {mode}: iteration {iteration}/{ITERATIONS}, mean RM score "
-                f"{entry['mean_reward_model_score']:.3f}, {time.perf_counter() - started:.0f}s")
+    # the iteration files appear under their final folder only once the run has finished
+    with atomic_directory(ROLLOUT_DIR / mode) as rollout_dir:
+        while iteration < stop:
+            chosen, order, cursor = next_prompts(order, cursor, prompt_generator,
+                                                 PROMPTS_PER_ITERATION, len(pages))
+            rollouts, tensors = collect(roles_, tokenizer, [pages[i] for i in chosen],
+                                        iteration + 1, generation, settings, limits, timer)
+            ids = [r["rollout_id"] for r in rollouts]
+            if set(ids) & set(consumed) or len(set(ids)) != len(ids):
+                twice = sorted(set(ids) & set(consumed))
+                raise ReproError(f"rollout ids consumed twice: {twice}")
+            update_stats = []
+            for _ in range(UPDATES_PER_BATCH):
+                update_stats.append(update(roles_, optimizers, tensors, schedule(updates),
+                                           settings, timer))
+                updates += 1
+            consumed.extend(ids)
+            iteration += 1
+            bar.update(1)
+            entry = {
+                "iteration": iteration,
+                "rollout_ids": ids,
+                "mean_reward_model_score":
+                    sum(r["reward_model_score"] for r in rollouts) / len(ids),
+                "cut": sum(r["finish_reason"] == "cut" for r in rollouts),
+                "mean_response_tokens": sum(len(r["response_ids"]) for r in rollouts) / len(ids),
+                "rescoring_gap": tensors["rescoring_gap"],
+                "updates": update_stats,
+            }
+            history.append(entry)
+            write_json(rollout_dir / f"iteration-{iteration:03d}.json",
+                       {"iteration": iteration, "rollouts": rollouts})
+            if iteration % 10 == 0 or iteration == stop:
+                log(f"ppo {mode}: iteration {iteration}/{ITERATIONS}, mean RM score "
+                    f"{entry['mean_reward_model_score']:.3f}, {time.perf_counter() - started:.0f}s")
     bar.close()
     seconds = time.perf_counter() - started
     final = {name: roles.learned_identity(role) for name, role in roles_.items()}
@@ -386,7 +400,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
     if mode == "resume":
         inputs.append(CHECKPOINTS / "ppo-interrupt.pt.gz")
         outputs += [CHECKPOINTS / f"{n}-final.{e}" for n in ("ppo", "critic")
-                    for e in ("safetensors", "json")]
+                    for e in ("safetensors", "json")] + [CHECKPOINTS / "ppo-peft"]
     costs = summary.pop("costs")
     run.finish(inputs=inputs, outputs=outputs, summary=summary,
                run_info=costs)

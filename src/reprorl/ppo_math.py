@@ -20,15 +20,7 @@ from __future__ import annotations
 
 import torch
 
-
-def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
-    """True at each row's last active column."""
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    last = positions.masked_fill(~mask, -1).max(1).values
-    dones = torch.zeros_like(mask)
-    rows = torch.arange(mask.shape[0])[last >= 0]
-    dones[rows, last[last >= 0]] = True
-    return dones
+from .encoding import last_token_mask
 
 
 def token_rewards(logp_old: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,
@@ -68,7 +60,7 @@ def actor_loss(logp: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Ten
     pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
     loss = per_response_mean(torch.max(pg_loss1, pg_loss2), mask)
     with torch.no_grad():
-        clipped = ((ratio - 1.0).abs() > clip) & mask
+        clipped = (pg_loss2 > pg_loss1) & mask  # where the clip binds (TRL's clipfrac)
         stats = {"clip_fraction": float(clipped.sum() / mask.sum()),
                  "ratio_max": float(ratio[mask].max()), "ratio_min": float(ratio[mask].min())}
     return loss, stats

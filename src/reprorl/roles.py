@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import lora
-from .encoding import Batch
+from .encoding import Batch, last_token_mask
 from .manifest import ReproError, atomic_write_bytes, read_json, sha256_file, write_json
 
 ROLES = ("actor", "reference", "reward", "critic")
@@ -120,10 +120,8 @@ class Role(nn.Module):
         mask = batch.response_mask
         if not bool(mask.any(1).all()) or bool((mask & ~batch.attention_mask.bool()).any()):
             raise ReproError("reward pooling needs a non-empty response on real tokens")
-        positions = torch.arange(mask.shape[1]).expand_as(mask)
-        last = positions.masked_fill(~mask, -1).max(1).values
         values = self._head_on_last_hidden(batch)
-        return values[torch.arange(len(last)), last]
+        return values[last_token_mask(mask)]  # exactly one True per row
 
 
 # ---------------------------------------------------------------- building and identities

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gzip
 import io
 import random
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,9 @@ def first_difference(a: Any, b: Any, where: str = "state") -> str | None:
             if found:
                 return found
         return None
-    if isinstance(a, float) and a != a and b != b:  # NaN equals NaN here: same bits matter
-        return None
+    if isinstance(a, float):  # bits, not value: -0.0 differs from 0.0, a NaN from another
+        same = struct.pack("<d", a) == struct.pack("<d", b)
+        return None if same else f"{where}: {a!r} != {b!r}"
     return None if a == b else f"{where}: {a!r} != {b!r}"
 
 

@@ -284,7 +284,7 @@ def greedy_validation(config: dict, log=print) -> dict:
     summary = {
         "prompts": count,
         "rubric_success_rate": sum(r["rubric"]["rubric_success"] for r in rows) / count,
-        "relevant_rate": sum(r["rubric"]["relevant"] for r in rows) / count,
+        "relevant_rate_over_all_prompts": sum(r["rubric"]["relevant"] for r in rows) / count,
         "recognized_rate": sum(r["rubric"]["recognized"] for r in rows) / count,
         "cut": sum(r["finish_reason"] != "eos" for r in rows),
         "actor_sha256": meta["sha256"],
