@@ -350,11 +350,12 @@ def rollout_report(mode: str = "continuous") -> dict:
                for r in corpus.read("labels/rollouts.json", "evaluation")}
     iterations = []
     for path in sorted((ROLLOUT_DIR / mode).glob("iteration-*.json")):
-        rollouts = read_json(path)["rollouts"]
+        content = read_json(path)
+        rollouts = content["rollouts"]
         verdicts = [evaluate_response(r["text"], r["finish_reason"], actions[r["document_id"]])
                     for r in rollouts]
         iterations.append({
-            "iteration": read_json(path)["iteration"],
+            "iteration": content["iteration"],
             "rubric_success_rate": sum(v["rubric_success"] for v in verdicts) / len(verdicts),
             "recognized_rate": sum(v["recognized"] for v in verdicts) / len(verdicts),
             "mean_reward_model_score": sum(r["reward_model_score"] for r in rollouts)
