@@ -41,12 +41,19 @@ def parser() -> argparse.ArgumentParser:
         source.add_argument("--config", help="YAML profile, e.g. configs/default.yaml")
         source.add_argument("--config-json", help="validated config as JSON (used by rules)")
         sub.add_argument("--threads", type=int, default=None, help="torch threads")
+    commands.add_parser("serve", add_help=False,
+                        help="vLLM-compatible generation server (reprorl serve --help)")
     audit = commands.add_parser("audit", help="re-hash every file named by every manifest")
     audit.add_argument("--manifests", default="outputs/manifests")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its own flags (vLLM's names), parsed by the server
+        from .grpo.server import main as serve
+
+        return serve(argv[1:])
     args = parser().parse_args(argv)
     try:
         if args.command == "audit":

@@ -60,6 +60,9 @@ SCOPES = {
         "train/pages.json",
     },
     "generation": {"input/pages.json"},
+    # GRPO with the rubric as verifier learns from the situations of the *train* rollout
+    # prompts (the task's true criterion); it sees nothing held out.
+    "verifier": {"train/pages.json", "labels/rollouts.json"},
     "evaluation": set(CORPUS_FILES) - {"manifest.json"},
 }
 

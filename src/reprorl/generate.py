@@ -26,9 +26,11 @@ from .sampling import response_text, sample
 PAGES = Path("outputs/inference/pages.json")
 ROWS, DISTINCT_PROMPTS = 260, 200
 # policy -> the name of its final actor export
-POLICIES = {"sft": "sft", "ppo": "ppo"}
+POLICIES = {"sft": "sft", "ppo": "ppo", "grpo_verifier": "grpo_verifier",
+            "grpo_learned": "grpo_learned"}
 # what generation must not see (relative to its working directory)
 FORBIDDEN = ("data/generated/labels", "data/generated/manifest.json", "outputs/learning",
+             "assets/grpo",
              "outputs/reward-test.json", "outputs/results.json", "outputs/exercise")
 
 

@@ -27,8 +27,11 @@ STAGES: dict[str, Stage] = {
     **{f"ppo_{mode}": Stage("ppo", ("model", "limits", "ppo")) for mode in MODES},
     "ppo_resume_check": Stage("ppo", ()),
     "ppo_report": Stage("ppo", ()),
+    **{f"grpo_{run}": Stage("grpo_run", ("model", "limits", "grpo"))
+       for run in ("verifier", "learned")},
     "generation_inputs": Stage("generate", ()),
-    **{f"generate_{policy}": Stage("generate", ("model", "limits")) for policy in ("sft", "ppo")},
+    **{f"generate_{policy}": Stage("generate", ("model", "limits"))
+       for policy in ("sft", "ppo", "grpo_verifier", "grpo_learned")},
     "reward_test": Stage("evaluate", ("model", "limits")),
     "evaluate": Stage("evaluate", ()),
     "exercise": Stage("evaluate", ("model", "limits")),

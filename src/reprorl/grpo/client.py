@@ -1,0 +1,205 @@
+"""Clients of a vLLM-compatible generation server (a real `vllm serve` or `reprorl serve`).
+
+Only documented parts of vLLM's OpenAI server are used: `/v1/completions` with a token-id
+prompt, `return_token_ids`, `return_tokens_as_token_ids` and `logprobs=k` (processed
+log-probs when the server runs `--logprobs-mode processed_logprobs`), `/health`, `/v1/models`
+(`max_model_len`), `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`.
+
+`CompletionClient` (asyncio, aiohttp) runs in the rollout worker; a failed request (connection
+error, timeout, HTTP 5xx) is retried `max_retries` times with backoff, then raises an error
+naming the server. An HTTP 4xx is the request's fault and raises at once with the server's
+message. `ServerAdmin` (blocking, requests) is the trainer's: readiness and adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+    finish_reason: str  # "stop" or "length"
+
+
+def _token_id(key: str) -> int:
+    if not key.startswith("token_id:"):
+        raise ValueError(f"expected 'token_id:<n>' keys (return_tokens_as_token_ids), got {key!r}")
+    return int(key[len("token_id:"):])
+
+
+def parse_completion(body: dict) -> Completion:
+    choice = body["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise ValueError("the server returned no token_ids: it must support return_token_ids "
+                         "(vLLM >= 0.10.2)")
+    logprobs = choice.get("logprobs") or {}
+    sampled = logprobs.get("token_logprobs") or []
+    if len(sampled) != len(ids):
+        raise ValueError(f"{len(ids)} tokens but {len(sampled)} log-probs: request logprobs")
+    tops = [{_token_id(k): float(v) for k, v in (top or {}).items()}
+            for top in (logprobs.get("top_logprobs") or [None] * len(ids))]
+    reason = "stop" if choice.get("finish_reason") == "stop" else "length"
+    return Completion(list(ids), [float(x) for x in sampled], tops, reason)
+
+
+_SAMPLE = re.compile(r"^(vllm:[a-zA-Z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+
+
+def parse_prometheus(text: str) -> dict:
+    """The vLLM gauges/counters the worker reads, summed over engines; cache capacity too."""
+    out: dict = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line.strip())
+        if not match:
+            continue
+        name, labels, value = match.group(1)[5:], match.group(2) or "", float(match.group(3))
+        if name == "cache_config_info":
+            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if "num_gpu_blocks" in fields and fields["num_gpu_blocks"] not in ("", "None"):
+                out[name] = {"num_gpu_blocks": int(fields["num_gpu_blocks"]),
+                             "block_size": int(fields.get("block_size", 16))}
+            continue
+        if name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):  # max over engines
+            out["kv_cache_usage_perc"] = max(out.get("kv_cache_usage_perc", 0.0), value)
+        elif name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+class CompletionClient:
+    def __init__(self, base_url: str, timeout: float, max_retries: int):
+        self.base_url, self.timeout, self.max_retries = base_url.rstrip("/"), timeout, max_retries
+        self.session = None
+        self._max_model_len = None
+
+    async def open(self) -> None:
+        import aiohttp
+
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            connector=aiohttp.TCPConnector(limit=0))
+
+    async def aclose(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def complete(self, model: str, prompt_ids: list[int], max_tokens: int,
+                       temperature: float, seed: int, logprobs: int) -> tuple[Completion, int]:
+        import aiohttp
+
+        body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                "temperature": temperature, "seed": seed, "logprobs": logprobs, "n": 1,
+                "return_token_ids": True, "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False, "stream": False}
+        retries, last = 0, None
+        while True:
+            try:
+                async with self.session.post(f"{self.base_url}/v1/completions",
+                                             json=body) as response:
+                    text = await response.text()
+                    if response.status < 500:
+                        if response.status != 200:
+                            raise ServerRequestError(
+                                f"the generation server refused a request (HTTP "
+                                f"{response.status}): {text[:500]}")
+                        import json
+
+                        return parse_completion(json.loads(text)), retries
+                    last = f"HTTP {response.status}: {text[:200]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
+                last = f"{type(error).__name__}: {error}"
+            if retries >= self.max_retries:
+                raise ServerDownError(
+                    f"the generation server at {self.base_url} failed {retries + 1} times "
+                    f"(last: {last}); check that it is running (vllm serve / reprorl serve) "
+                    "or raise vllm_max_retries")
+            retries += 1
+            await asyncio.sleep(min(8.0, 0.25 * 2**retries))
+
+    async def metrics(self) -> dict | None:
+        import aiohttp
+
+        try:
+            async with self.session.get(f"{self.base_url}/metrics") as response:
+                if response.status != 200:
+                    return None
+                return parse_prometheus(await response.text())
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            # metrics are advisory: without them the concurrency cap stays where it is
+            return None
+
+    async def max_model_len(self) -> int:
+        if self._max_model_len is None:
+            async with self.session.get(f"{self.base_url}/v1/models") as response:
+                self._max_model_len = int((await response.json())["data"][0]["max_model_len"])
+        return self._max_model_len
+
+
+class ServerRequestError(RuntimeError):
+    """The server answered 4xx: the request is wrong, retrying cannot help."""
+
+
+class ServerDownError(RuntimeError):
+    """The server kept failing after the allowed retries."""
+
+
+class ServerAdmin:
+    """The trainer's blocking calls: readiness, model length, adapters, metrics."""
+
+    def __init__(self, base_url: str, timeout: float):
+        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+
+    def wait_ready(self, process=None, log_path=None) -> None:
+        started = time.monotonic()
+        while True:
+            try:
+                if requests.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            if process is not None and process.poll() is not None:
+                tail = Path(log_path).read_text()[-2000:] if log_path else ""
+                raise RuntimeError(f"the embedded server exited with code "
+                                   f"{process.returncode} before it was ready:\n{tail}")
+            if time.monotonic() - started > self.timeout:
+                raise TimeoutError(f"no generation server answered {self.base_url}/health "
+                                   f"within {self.timeout:.0f} s; start it or raise "
+                                   "vllm_server_timeout")
+            time.sleep(0.2)
+
+    def max_model_len(self) -> int:
+        response = requests.get(f"{self.base_url}/v1/models", timeout=self.timeout)
+        response.raise_for_status()
+        return int(response.json()["data"][0]["max_model_len"])
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        response = requests.post(f"{self.base_url}/v1/load_lora_adapter",
+                                 json={"lora_name": name, "lora_path": path,
+                                       "load_inplace": False}, timeout=self.timeout)
+        if response.status_code == 404:
+            raise RuntimeError(f"{self.base_url} has no /v1/load_lora_adapter: start vLLM with "
+                               "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+        if response.status_code != 200:
+            raise RuntimeError(f"loading adapter {name} from {path} failed: "
+                               f"HTTP {response.status_code} {response.text[:300]}")
+
+    def unload_lora_adapter(self, name: str) -> None:
+        requests.post(f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": name},
+                      timeout=self.timeout)
+
+    def metrics(self) -> dict | None:
+        try:
+            response = requests.get(f"{self.base_url}/metrics", timeout=10)
+        except requests.RequestException:
+            return None
+        return parse_prometheus(response.text) if response.status_code == 200 else None

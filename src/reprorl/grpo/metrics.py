@@ -1,0 +1,101 @@
+"""Metric windows with the seed's reduction rules, and their JSONL / console output.
+
+A window is everything recorded since the previous log (the last `logging_steps` optimizer
+steps). Per name, decided from its last path part:
+- a rate (`..._tokens_per_s`) is recorded as (amount, seconds) pairs: total / total;
+- a name with the word `count` is summed;
+- a name with the word `max` / `min` keeps the largest / smallest value;
+(words are split on `_`, so `mean_terminated_length` is a mean, not a min).
+- anything else is the mean of the recorded values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+
+
+def rule(name: str) -> str:
+    last = name.rsplit("/", 1)[-1]
+    words = set(last.split("_"))
+    if last.endswith("tokens_per_s"):
+        return "rate"
+    for word, how in (("count", "sum"), ("max", "max"), ("min", "min")):
+        if word in words:
+            return how
+    return "mean"
+
+
+class MetricsWindow:
+    def __init__(self):
+        self.values: dict[str, list[float]] = defaultdict(list)
+        self.rates: dict[str, list[tuple[float, float]]] = defaultdict(list)
+
+    def add(self, name: str, value: float) -> None:
+        if rule(name) == "rate":
+            raise ValueError(f"{name} is a rate: record it with add_rate(amount, seconds)")
+        self.values[name].append(float(value))
+
+    def extend(self, name: str, values) -> None:
+        for value in values:
+            self.add(name, value)
+
+    def add_rate(self, name: str, amount: float, seconds: float) -> None:
+        self.rates[name].append((float(amount), float(seconds)))
+
+    def merge(self, items) -> None:
+        """Records shipped from the rollout worker: ("value"|"rate", name, payload)."""
+        for kind, name, payload in items:
+            if kind == "rate":
+                self.add_rate(name, *payload)
+            else:
+                self.add(name, payload)
+
+    def reduce(self) -> dict[str, float]:
+        out = {}
+        for name, values in self.values.items():
+            how = rule(name)
+            finite = [v for v in values if not math.isnan(v)]
+            if how == "sum":
+                out[name] = sum(values)
+            elif not finite:
+                out[name] = float("nan")
+            elif how == "max":
+                out[name] = max(finite)
+            elif how == "min":
+                out[name] = min(finite)
+            else:
+                out[name] = sum(finite) / len(finite)
+        for name, pairs in self.rates.items():
+            seconds = sum(s for _, s in pairs)
+            out[name] = sum(a for a, _ in pairs) / seconds if seconds > 0 else float("nan")
+        return dict(sorted(out.items()))
+
+
+class MetricsLog:
+    """Appends one JSON line per logging window (flushed and fsynced: it survives a kill)."""
+
+    def __init__(self, path: str | Path, resume: bool = False):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not resume and self.path.exists():
+            self.path.unlink()
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
+                                   for k, v in metrics.items()}}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record, sort_keys=True) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def console_line(step: int, metrics: dict[str, float]) -> str:
+    keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
+            "sampling/importance_sampling_ratio/mean", "sample/staleness_mean",
+            "rollout/queue_size", "perf/step_s")
+    shown = [f"{k.rsplit('/', 1)[-1]}={metrics[k]:.4g}" for k in keys if k in metrics]
+    return f"step {step}: " + " ".join(shown)

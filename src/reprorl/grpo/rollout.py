@@ -1,0 +1,580 @@
+"""The rollout worker: generates, scores and queues samples in its own spawned process.
+
+`AsyncRolloutLoop` runs one asyncio loop. Each prompt passes, in order, through
+`filter_prompt` -> `num_generations` x `generate_one` (each calling `generate_one_turn` per
+sampling request) -> scoring of the complete group -> `compute_advantages` -> the drop rule ->
+samples onto the trainer's queue. Subclass it, override a hook, and set the subclass as the
+trainer's `loop_cls` (define it at module level: the loop is built in the spawned process).
+
+Flow control (ARCHITECTURE.md section 6, the seed's "Concurrency"):
+- staleness: a new group starts only while queued + in-flight tokens fit the trainer's token
+  allowance (`max(max_staleness, 1)` x the tokens of its last step; before the first step,
+  full rows); until the first group finishes, one group at a time;
+- server load: a live cap on rollouts in flight, started at the KV-cache capacity over
+  max_model_len and adjusted from `/metrics` every 5 s (+25 % below 60 % usage with nothing
+  waiting, -30 % above 80 %); `max_concurrent_rollouts` bounds it;
+- `synchronous=True` is the baseline: one step's worth of samples, then wait until the trainer
+  has consumed them and synced a new version.
+Every prompt position (epoch * rows + row) reaches the trainer exactly once: as samples, or as
+a "consumed" marker (filtered prompt, dropped group), so the trainer can keep the resume cursor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import math
+import os
+import queue
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .client import CompletionClient
+from .loss import group_advantages, group_is_dropped
+
+_MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
+
+
+@dataclass
+class TurnRecord:
+    """One sampling request: the prompt sent and the tokens the sampler produced."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_log_probs: list[float] = field(default_factory=list)
+    output_mask: list[int] | None = None  # 1 = train on the token (None: all)
+    output_sampling_mask: list[list[int]] | None = None  # top-k/top-p candidates (unused)
+    output_sampler_logprobs: list[dict[int, float]] | None = None  # sampler top tokens
+    finish_reason: str = "stop"  # "stop" (EOS or stop token) or "length"
+
+
+@dataclass
+class Rollout:
+    """A finished rollout, as `generate_one` returns it."""
+
+    completion: list[dict[str, Any]]
+    completion_ids: list[int]
+    turns: list[TurnRecord]
+    tool_call_count: int = 0
+    tool_failure_count: int = 0
+    reward: float | None = None
+    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class TrainingSequence:
+    """Tokens of one sample: context plus trained tokens, each with what the sampler saw."""
+
+    input_ids: list[int]
+    trained: list[int]  # 1 where the token is trained
+    sampler_logprobs: list[float]  # per token; 0.0 for context
+    sampler_top: list[dict[int, float] | None]  # per token; None for context
+
+
+@dataclass
+class RolloutGroup:
+    """The `num_generations` rollouts of one prompt, scored together."""
+
+    prompts: list[list[dict[str, Any]]]
+    reward_kwargs: dict[str, list[Any]]
+    completions: list[list[dict[str, Any]]]
+    completions_ids: list[list[int]]
+    completions_sequences: list[list[TrainingSequence]]
+    tool_call_counts: list[int]
+    tool_failure_counts: list[int]
+    model_version: int
+    group_id: int
+    row_index: int
+    env_rewards: list[Any]
+    rollout_rewards: list[float | None]
+    queued_at: float = 0.0
+    rewards: np.ndarray | None = None
+    position: int = 0  # epoch * rows + row_index: the resume cursor's unit
+    truncated: list[bool] = field(default_factory=list)
+    reward_by_func: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    """What the trainer consumes: one training sequence with its advantage."""
+
+    sequence: TrainingSequence
+    advantage: float
+    reward: float
+    rewards_by_func: dict[str, float]
+    group_std: float
+    group_std_by_func: dict[str, float]
+    model_version: int
+    group_id: int
+    position: int
+    group_samples: int  # samples this position produced in all
+    tokens: int
+    queued_at: float
+    rollout_id: str
+    completion_text: str
+
+
+@dataclass
+class GroupResult:
+    """One queue item: a position's samples, or why it produced none."""
+
+    position: int
+    samples: list[Sample]
+    reason: str = "trained"  # or "filtered", "zero_std"
+
+
+def training_sequences(turns: list[TurnRecord]) -> list[TrainingSequence]:
+    """Turns -> sequences. A turn whose prompt extends the running sequence continues it (the
+    added prompt tokens are context); any other turn forks a new sequence."""
+    sequences: list[TrainingSequence] = []
+    current = None
+    for turn in turns:
+        n = len(turn.output_ids)
+        mask = turn.output_mask if turn.output_mask is not None else [1] * n
+        top = turn.output_sampler_logprobs or [None] * n
+        if current is not None and turn.prompt_ids[: len(current.input_ids)] == current.input_ids:
+            extra = turn.prompt_ids[len(current.input_ids):]
+        else:
+            current = TrainingSequence([], [], [], [])
+            sequences.append(current)
+            extra = list(turn.prompt_ids)
+        current.input_ids += extra + list(turn.output_ids)
+        current.trained += [0] * len(extra) + list(mask)
+        current.sampler_logprobs += [0.0] * len(extra) + list(turn.output_log_probs)
+        current.sampler_top += [None] * len(extra) + list(top)
+    return [s for s in sequences if any(s.trained)]
+
+
+def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[float],
+             allowance: float) -> bool:
+    """The token-allowance rule: may a new group start?
+
+    Queued + in-flight tokens (in-flight groups estimated at the mean size of recent groups),
+    plus the new group, must fit the allowance. Until a first group has finished the size is
+    unknown: one group at a time. With nothing queued or in flight a group always starts.
+    """
+    if in_flight_groups == 0 and queued_tokens <= 0:
+        return True
+    if not group_tokens:
+        return in_flight_groups == 0
+    estimate = sum(group_tokens) / len(group_tokens)
+    return queued_tokens + (in_flight_groups + 1) * estimate <= allowance
+
+
+def is_stale(current_version: int, sample_version: int, max_staleness: int) -> bool:
+    """A sample more than max_staleness weight versions behind at dequeue is dropped."""
+    return current_version - sample_version > max_staleness
+
+
+def reward_name(func) -> str:
+    """Metric name of a reward function (a partial is named after what it wraps)."""
+    func = getattr(func, "func", func)
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+class AsyncRolloutLoop:
+    def __init__(self, config, model_name: str, dataset, reward_funcs: list, processing_class,
+                 eos_token_ids: list[int], rollout_buffer, model_version_value, token_allowance,
+                 heartbeat_value, failed_event, exception_info_queue, metrics_queue,
+                 tools=None, environment_factory=None, score_queue_maxsize: int = 16,
+                 lora_name: str | None = None, dataset_start_index: int = 0, *,
+                 queued_tokens=None, stop_event=None, skip_positions=()):
+        self.config, self.model_name, self.dataset = config, model_name, dataset
+        self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
+        self.eos_token_ids = set(eos_token_ids)
+        self.rollout_buffer, self.model_version = rollout_buffer, model_version_value
+        self.token_allowance, self.heartbeat = token_allowance, heartbeat_value
+        self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
+        self.metrics_queue, self.tools = metrics_queue, list(tools or [])
+        self.environment_factory, self.score_queue_maxsize = environment_factory, score_queue_maxsize
+        self.lora_name, self.start = lora_name, dataset_start_index
+        self.queued_tokens, self.stop_event = queued_tokens, stop_event
+        self.skip_positions = set(skip_positions)
+        self.request_number = 0
+        self.in_flight_groups = 0
+        self.in_flight_rollouts = 0
+        self.tokens_per_group: list[float] = []
+        self.cap = config.max_concurrent_rollouts
+        self.finished_since_raise = 0
+        self.records: list[tuple] = []
+        self.last_rate_time = time.monotonic()
+        self.produced_samples = 0
+
+    # ------------------------------------------------------------ hooks
+
+    def filter_prompt(self, row_index: int, row: dict, epoch: int) -> bool:
+        """Whether to generate for this prompt; a rejected one counts as consumed."""
+        return True
+
+    async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
+        """One rollout. Single turn here; the tool loop of a later release plugs in here."""
+        text = self.tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True,
+            **(self.config.chat_template_kwargs or {}))
+        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        turn = await self.generate_one_turn(list(prompt_ids))
+        ids = turn.output_ids
+        body = ids[:-1] if ids and ids[-1] in self.eos_token_ids else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        return Rollout([{"role": "assistant", "content": text}], list(ids), [turn])
+
+    async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
+        """One sampling request with the config's settings and a fresh seed."""
+        self.request_number += 1
+        seed = (self.config.seed * 1_000_003 + self.request_number) % (2**31 - 1)
+        top = self.config.num_sampler_logprobs if self.config.score_centering else 0
+        reply, retries = await self.client.complete(
+            model=_MODEL.get(self.model_name), prompt_ids=prompt_ids,
+            max_tokens=self.config.max_completion_length,
+            temperature=self.config.temperature, seed=seed, logprobs=top)
+        if retries:
+            self.record("rollout/vllm_retry_count", retries)
+        return TurnRecord(prompt_ids, reply.token_ids, reply.logprobs,
+                          output_sampler_logprobs=reply.top_logprobs if top else None,
+                          finish_reason=reply.finish_reason)
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """GRPO: each reward standardised within the group; NaN rewards get 0."""
+        return group_advantages(group.rewards)
+
+    async def setup(self) -> None:
+        """Create resources for the other hooks (runs on the loop before the first prompt)."""
+
+    async def close(self) -> None:
+        """Release what setup created (runs when the loop stops, also on failure)."""
+
+    # ------------------------------------------------------------ plumbing
+
+    def record(self, name: str, value: float) -> None:
+        self.records.append(("value", name, float(value)))
+
+    def record_rate(self, name: str, amount: float, seconds: float) -> None:
+        self.records.append(("rate", name, (float(amount), float(seconds))))
+
+    def flush_records(self) -> None:
+        if self.records:
+            self.metrics_queue.put(self.records)
+            self.records = []
+
+    def served_name(self) -> str:
+        if self.lora_name is None:
+            return self.model_name
+        return f"{self.lora_name}-v{self.model_version.value}"
+
+    async def run(self) -> None:
+        self.client = CompletionClient(self.config.vllm_server_base_url,
+                                       self.config.vllm_server_timeout,
+                                       self.config.vllm_max_retries)
+        self.score_queue: asyncio.Queue = asyncio.Queue(self.score_queue_maxsize)
+        self.slots = asyncio.Condition()
+        await self.client.open()
+        try:
+            await self.setup()
+            await self._initial_cap()
+            self.crashed = asyncio.get_running_loop().create_future()  # a group task's error
+            tasks = [asyncio.create_task(c) for c in (
+                self._produce(), self._score(), self._beat(), self._poll_metrics())]
+            tasks.append(self.crashed)
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    raise task.exception()
+        finally:
+            try:
+                await self.close()
+            finally:
+                await self.client.aclose()
+                self.flush_records()
+
+    def stopping(self) -> bool:
+        return self.stop_event is not None and self.stop_event.is_set()
+
+    async def _beat(self) -> None:
+        while not self.stopping():
+            self.heartbeat.value = time.time()
+            self.flush_records()
+            await asyncio.sleep(0.5)
+
+    async def _initial_cap(self) -> None:
+        metrics = await self.client.metrics()
+        if metrics is None:  # no /metrics: the configured bound is the cap
+            return
+        blocks = metrics.get("cache_config_info")
+        if blocks:
+            capacity = blocks["num_gpu_blocks"] * blocks["block_size"]
+            fit = max(1, capacity // max(1, await self.client.max_model_len()))
+            self.cap = min(self.config.max_concurrent_rollouts, fit)
+
+    async def _poll_metrics(self) -> None:
+        last_preemptions = None
+        while not self.stopping():
+            await asyncio.sleep(5.0)
+            metrics = await self.client.metrics()
+            if metrics is None:
+                continue
+            usage, waiting = metrics.get("kv_cache_usage_perc", 0.0), metrics.get(
+                "num_requests_waiting", 0.0)
+            self.record("rollout/vllm_kv_cache_usage_frac", usage)
+            self.record("rollout/vllm_running_requests", metrics.get("num_requests_running", 0))
+            self.record("rollout/vllm_queued_requests", waiting)
+            preemptions = metrics.get("num_preemptions_total", 0.0)
+            if last_preemptions is not None:
+                self.record("rollout/vllm_preemption_count", preemptions - last_preemptions)
+            last_preemptions = preemptions
+            if usage > 0.8:
+                self.cap = max(1, math.floor(self.cap * 0.7))
+            elif usage < 0.6 and waiting == 0 and self.finished_since_raise >= self.cap:
+                self.cap = min(self.config.max_concurrent_rollouts, math.ceil(self.cap * 1.25))
+                self.finished_since_raise = 0
+            self.record("rollout/concurrency_cap", self.cap)
+
+    def _room_for_group(self) -> bool:
+        return has_room(self.queued_tokens.value, self.in_flight_groups,
+                        self.tokens_per_group[-32:], self.token_allowance.value)
+
+    async def _wait_for_room(self, sync_target: list) -> None:
+        waited_from = None
+        while not self.stopping():
+            if self.config.synchronous:
+                room = self._sync_room(sync_target)
+            else:
+                room = self._room_for_group()
+            if room and self.in_flight_rollouts + self.config.num_generations <= max(
+                    self.cap, self.config.num_generations):
+                break
+            waited_from = waited_from or time.monotonic()
+            await asyncio.sleep(0.005)
+        if waited_from is not None:
+            self.record("rollout/backpressure_s", time.monotonic() - waited_from)
+
+    def _sync_room(self, state: list) -> bool:
+        """Baseline: produce one step's samples at version v, then wait for version v+1 with
+        an empty queue. state = [version the batch started at, samples produced then]."""
+        per_step = self.config.per_device_train_batch_size * (
+            self.config.gradient_accumulation_steps)
+        version = self.model_version.value
+        if state[0] is None or (version > state[0] and self.queued_tokens.value <= 0
+                                and self.in_flight_groups == 0):
+            state[0], state[1] = version, self.produced_samples
+        produced = self.produced_samples - state[1]
+        return produced + self.in_flight_groups * self.config.num_generations < per_step
+
+    async def _produce(self) -> None:
+        rows = len(self.dataset)
+        end = None
+        if self.config.max_steps <= 0:
+            end = math.ceil(self.config.num_train_epochs * rows)
+        position, accepted_in_epoch, sync_state = self.start, 0, [None, 0]
+        group_id, tasks = 0, set()
+        while not self.stopping() and (end is None or position < end):
+            epoch, row_index = divmod(position, rows)
+            if row_index == 0:
+                accepted_in_epoch = 0
+            if position in self.skip_positions:
+                position += 1
+                continue
+            row = self.dataset[row_index]
+            if self.filter_prompt(row_index, row, epoch):
+                accepted_in_epoch += 1
+                await self._wait_for_room(sync_state)
+                if self.stopping():
+                    break
+                self.in_flight_groups += 1
+                task = asyncio.create_task(self._group(position, row_index, row, group_id))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                group_id += 1
+            else:
+                self.rollout_buffer.put(GroupResult(position, [], "filtered"))
+            if row_index == rows - 1 and accepted_in_epoch == 0:
+                raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no "
+                                   "sample can reach the trainer; loosen the filter")
+            position += 1
+        while tasks and not self.stopping():  # let the last groups finish
+            await asyncio.sleep(0.05)
+        await self.score_queue.join()
+        while not self.stopping():
+            await asyncio.sleep(0.1)
+
+    async def _group(self, position: int, row_index: int, row: dict, group_id: int) -> None:
+        token = _MODEL.set(self.served_name())
+        version = self.model_version.value
+        try:
+            prompt = row["prompt"]
+            started = time.monotonic()
+            rollouts = await asyncio.gather(*[
+                self._one(prompt, group_id) for _ in range(self.config.num_generations)])
+            group = self._assemble(rollouts, prompt, row, row_index, group_id, version,
+                                   position)
+            tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
+            self.tokens_per_group.append(tokens)
+            self.record("rollout/group_duration_s", time.monotonic() - started)
+            put_started = time.monotonic()
+            group.queued_at = time.monotonic()
+            await self.score_queue.put(group)
+            self.record("rollout/score_block_s", time.monotonic() - put_started)
+        except Exception as error:  # noqa: BLE001 (no one awaits this task: run() re-raises)
+            if not self.crashed.done():
+                self.crashed.set_exception(error)
+        finally:
+            self.in_flight_groups -= 1
+            _MODEL.reset(token)
+
+    async def _one(self, prompt: list[dict], group_id: int) -> Rollout:
+        self.in_flight_rollouts += 1
+        self.record("rollout/concurrency", self.in_flight_rollouts)
+        started = time.monotonic()
+        try:
+            rollout = await self.generate_one(prompt, self.tools, group_id)
+        finally:
+            self.in_flight_rollouts -= 1
+            self.finished_since_raise += 1
+        self.record("rollout/duration_s", time.monotonic() - started)
+        generated = sum(len(t.output_ids) for t in rollout.turns)
+        now = time.monotonic()
+        self.record_rate("rollout/generated_tokens_per_s", generated, now - self.last_rate_time)
+        self.last_rate_time = now
+        self.record("rollout/turns_mean", len(rollout.turns))
+        self.record("rollout/turns_max", len(rollout.turns))
+        return rollout
+
+    def _assemble(self, rollouts, prompt, row, row_index, group_id, version, position):
+        columns = {k: [v] * len(rollouts) for k, v in row.items() if k != "prompt"}
+        return RolloutGroup(
+            prompts=[prompt] * len(rollouts), reward_kwargs=columns,
+            completions=[r.completion for r in rollouts],
+            completions_ids=[r.completion_ids for r in rollouts],
+            completions_sequences=[training_sequences(r.turns) for r in rollouts],
+            tool_call_counts=[r.tool_call_count for r in rollouts],
+            tool_failure_counts=[r.tool_failure_count for r in rollouts],
+            model_version=version, group_id=group_id, row_index=row_index,
+            env_rewards=[None] * len(rollouts), rollout_rewards=[r.reward for r in rollouts],
+            position=position,
+            truncated=[bool(r.turns) and r.turns[-1].finish_reason != "stop" for r in rollouts],
+        )
+
+    # ------------------------------------------------------------ scoring
+
+    async def _score(self) -> None:
+        while True:
+            group = await self.score_queue.get()
+            try:
+                self.record("rollout/score_queue_size", self.score_queue.qsize())
+                self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
+                started = time.monotonic()
+                await self._reward(group)
+                self.record("rollout/score_s", time.monotonic() - started)
+                self._emit(group)
+            finally:
+                self.score_queue.task_done()
+
+    async def _call_reward(self, func, group: RolloutGroup) -> list:
+        kwargs = dict(prompts=group.prompts, completions=group.completions,
+                      completion_ids=group.completions_ids, **group.reward_kwargs)
+        name = reward_name(func)
+        try:
+            if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+                    type(func).__call__):
+                values = await func(**kwargs)
+            else:
+                values = await asyncio.to_thread(func, **kwargs)
+        except Exception as error:
+            raise RuntimeError(f"reward function {name!r} raised {type(error).__name__}: "
+                               f"{error}") from error
+        if len(values) != len(group.completions):
+            raise RuntimeError(f"reward function {name!r} returned {len(values)} rewards for "
+                               f"{len(group.completions)} completions")
+        return [math.nan if v is None else float(v) for v in values]
+
+    async def _reward(self, group: RolloutGroup) -> None:
+        results = await asyncio.gather(*[self._call_reward(f, group) for f in self.reward_funcs])
+        group.reward_by_func = {reward_name(f): r for f, r in zip(self.reward_funcs, results)}
+        columns = list(results) + [[math.nan if v is None else v for v in group.rollout_rewards]]
+        table = np.array(columns, dtype=np.float64)  # sources x rollouts
+        scored = ~np.isnan(table)
+        totals = np.where(scored, table, 0.0).sum(0)
+        group.rewards = np.where(scored.any(0), totals, np.nan)
+
+    def _emit(self, group: RolloutGroup) -> None:
+        rewards = group.rewards
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        lengths = [len(ids) for ids in group.completions_ids]
+        for i, ids in enumerate(group.completions_ids):
+            self.record("completions/mean_length", lengths[i])
+            self.record("completions/min_length", lengths[i])
+            self.record("completions/max_length", lengths[i])
+            if not group.truncated[i]:
+                for stat in ("mean", "min", "max"):
+                    self.record(f"completions/{stat}_terminated_length", lengths[i])
+            self.record("completions/clipped_ratio", float(group.truncated[i]))
+            self.record("completions/duplicate_frac", float(ids in group.completions_ids[:i]))
+            if not math.isnan(rewards[i]):
+                self.record("reward", rewards[i])
+        dropped = group_is_dropped(rewards)
+        self.record("frac_reward_zero_std", float(dropped))
+        if dropped:
+            for value in rewards[~np.isnan(rewards)]:
+                self.record("reward_dropped", value)
+            self.rollout_buffer.put(GroupResult(group.position, [], "zero_std"))
+            return
+        scored = rewards[~np.isnan(rewards)]
+        group_std = float(scored.std(ddof=1))
+        std_by = {n: float(np.nanstd(np.array(v, dtype=float), ddof=1))
+                  if np.sum(~np.isnan(np.array(v, dtype=float))) >= 2 else 0.0
+                  for n, v in group.reward_by_func.items()}
+        samples = []
+        for i, sequences in enumerate(group.completions_sequences):
+            for sequence in sequences:
+                samples.append(Sample(
+                    sequence=sequence, advantage=float(advantages[i]), reward=float(rewards[i]),
+                    rewards_by_func={n: v[i] for n, v in group.reward_by_func.items()},
+                    group_std=group_std, group_std_by_func=std_by,
+                    model_version=group.model_version, group_id=group.group_id,
+                    position=group.position, group_samples=0, tokens=len(sequence.input_ids),
+                    queued_at=time.time(), rollout_id=uuid.uuid4().hex,
+                    completion_text=group.completions[i][-1]["content"]))
+        for sample in samples:
+            sample.group_samples = len(samples)
+        self.record("rollout/samples_per_rollout", len(samples) / len(group.completions_ids))
+        with self.queued_tokens.get_lock():
+            self.queued_tokens.value += sum(s.tokens for s in samples)
+        self.produced_samples += len(samples)
+        self.rollout_buffer.put(GroupResult(group.position, samples))
+
+
+def run_rollout_loop(loop_cls, kwargs: dict) -> None:
+    """Entry point of the spawned worker process (CPU only, its own event loop)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    import torch
+
+    torch.set_num_threads(1)
+    loop = None
+    try:
+        loop = loop_cls(**kwargs)
+        asyncio.run(loop.run())
+    except BaseException:
+        kwargs["exception_info_queue"].put(traceback.format_exc())
+        kwargs["failed_event"].set()
+        raise
+
+
+def drain(q, limit: int = 10_000) -> list:
+    items = []
+    try:
+        while len(items) < limit:
+            items.append(q.get_nowait())
+    except queue.Empty:
+        pass
+    return items
+
+
+__all__ = ["AsyncRolloutLoop", "GroupResult", "Rollout", "RolloutGroup", "Sample",
+           "TrainingSequence", "TurnRecord", "run_rollout_loop"]

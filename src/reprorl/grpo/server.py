@@ -1,0 +1,659 @@
+"""An embedded CPU generation server speaking the part of vLLM's OpenAI API that GRPO uses.
+
+`reprorl serve --model DIR` loads a Hugging Face directory and serves `/health`, `/v1/models`,
+`/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and `/v1/completions` with
+vLLM's request and response shapes, so a client written against it runs unchanged against a real
+`vllm serve`. A background thread runs continuous batching over per-sequence KV caches: each
+step admits waiting requests FIFO while the token budget allows, prefills them one by one, and
+decodes every running sequence in one left-padded batch per adapter. Log-probs are vLLM's
+`processed_logprobs` (after temperature, min-p, top-k, top-p; raw log-softmax when greedy).
+Each request samples with its own generator, so its tokens do not depend on what else runs.
+
+Departures from vLLM: CPU only, one process; no streaming, `n` = 1, no `echo`, one prompt per
+request, no stop strings, no `min_tokens`, no beam search, no chat endpoint; the KV cache is
+counted in tokens, not paged blocks (the metrics report `kv-cache-tokens // 16` blocks);
+preemption is by recompute only and `--max-model-len` may not exceed `--kv-cache-tokens`;
+loading more than `--max-loras` adapters is refused instead of LRU-swapped, and LoRA model
+cards carry `max_model_len` too; a request with `seed: null` draws its seed from the server's
+`--seed` stream; sampling is `torch.multinomial`, so seeded tokens differ from vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from torch import nn
+
+from ..lora import PEFT_PREFIX, TARGETS
+
+log = logging.getLogger("reprorl.serve")
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    def body(self) -> dict:
+        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status,
+                                                                  "InternalServerError")
+        return {"error": {"message": self.message, "type": kind, "param": None,
+                          "code": self.status}}
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+class Switch(nn.Module):
+    """A base linear layer plus whichever adapter is active: `W x + scale * B(A x)` in FP32."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base, self.active = base, None  # active: (A, B, scale) or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base(x)
+        if self.active is None:
+            return result
+        a, b, scale = self.active
+        delta = nn.functional.linear(nn.functional.linear(x.float(), a), b)
+        return (result.float() + scale * delta).to(result.dtype)
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    weights: dict  # module name -> (A, B, scale)
+
+
+def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: int) -> Adapter:
+    """A PEFT directory (as `reprorl.lora.export_peft` writes it) checked against the model."""
+    from safetensors.torch import load_file
+
+    try:
+        settings = json.loads((Path(path) / "adapter_config.json").read_text())
+        stored = load_file(Path(path) / "adapter_model.safetensors")
+        rank, alpha = int(settings["r"]), float(settings["lora_alpha"])
+    except Exception as error:  # missing, unreadable or malformed: all the client's fault
+        raise ApiError(400, f"Loading lora {name} failed: {error}") from error
+    if rank > max_rank:
+        raise ApiError(400, f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
+    if settings.get("use_dora"):
+        raise ApiError(400, "DoRA adapters are not supported.")
+    scale = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    pairs: dict[str, dict] = {}
+    for key, tensor in stored.items():
+        module, _, matrix = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
+        if not key.startswith(PEFT_PREFIX) or matrix not in ("lora_A", "lora_B") or (
+                module not in switches):
+            raise ApiError(400, f"While loading {path}, unexpected weight {key}")
+        pairs.setdefault(module, {})[matrix] = tensor.float().contiguous()
+    weights = {}
+    for module, pair in pairs.items():
+        a, b, base = pair.get("lora_A"), pair.get("lora_B"), switches[module].base
+        if a is None or b is None or a.shape != (rank, base.in_features) or (
+                b.shape != (base.out_features, rank)):
+            raise ApiError(400, f"{path}: {module} lacks lora_A/lora_B or has wrong shapes")
+        weights[module] = (a, b, scale)
+    if not weights:
+        raise ApiError(400, f"{path} holds no LoRA weights for this model")
+    return Adapter(name, str(path), weights)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+@dataclass
+class Params:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    eos_id: int | None = None
+    stop_ids: frozenset = frozenset()
+
+
+def processed_logprobs(logits: torch.Tensor, p: Params) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from (filtered tokens get -inf)."""
+    logits = logits.float()
+    if p.temperature < GREEDY_EPS:
+        return logits.log_softmax(-1)
+    logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    if 0 < p.top_k < logits.numel():
+        logits = logits.masked_fill(logits < logits.topk(p.top_k).values[-1], -math.inf)
+    if p.top_p < 1:
+        ordered, order = logits.sort()  # ascending, as vLLM's apply_top_k_top_p
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - p.top_p
+        drop[-1] = False  # keep at least one token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), -math.inf)
+    return logits.log_softmax(-1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: Params
+    adapter: Adapter | None  # a reference: an unloaded adapter stays usable until this ends
+    generator: torch.Generator
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    generated: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # (sampled lp, top ids, top lps) per token
+    kv: list | None = None  # per layer (keys, values), [1, heads, cached, dim]
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    admitted: bool = False
+    aborted: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def resolve(self, error: Exception | None = None) -> None:
+        def settle():
+            if not self.future.done():
+                self.future.set_exception(error) if error else self.future.set_result(self)
+        self.kv = None
+        self.loop.call_soon_threadsafe(settle)
+
+
+# ---------------------------------------------------------------- engine
+
+
+class Engine(threading.Thread):
+    """Continuous batching in a background thread; the event loop only submits and awaits."""
+
+    def __init__(self, model, switches: dict[str, Switch], max_num_seqs: int, capacity: int):
+        super().__init__(name="engine", daemon=True)
+        self.model, self.switches = model, switches
+        self.max_num_seqs, self.capacity = max_num_seqs, capacity
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else (
+            "past_key_values")  # transformers 5.2x renamed it
+        self.cond = threading.Condition()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stopping = False
+        self.counters = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.successes = dict.fromkeys(FINISH_REASONS, 0)
+
+    def submit(self, seq: Sequence) -> None:
+        with self.cond:
+            self.waiting.append(seq)
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    def kv_in_use(self) -> int:
+        return sum(s.length for s in list(self.running))
+
+    def run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self.cond:
+                    while not (self.stopping or self.waiting or self.running):
+                        self.cond.wait()
+                    if self.stopping:
+                        return
+                    newcomers = self.schedule()
+                try:
+                    self.step(newcomers)
+                except Exception as error:  # a bug must not leave clients hanging forever
+                    log.exception("engine step failed")
+                    for seq in self.running:
+                        seq.resolve(ApiError(500, f"generation failed: {error}"))
+                    self.running.clear()
+
+    def schedule(self) -> list[Sequence]:
+        """Drop aborted requests, preempt (recompute) until the running ones can decode one
+        more token each, then admit waiting ones FIFO if nothing was preempted."""
+        for seq in [s for s in self.running if s.aborted]:
+            self.running.remove(seq)
+            self.finish(seq, "abort")
+        self.waiting = deque(s for s in self.waiting if not s.aborted)
+        preempted = False
+        while sum(s.length + 1 for s in self.running) > self.capacity:
+            seq = self.running.pop()  # the most recently admitted
+            seq.kv, preempted = None, True
+            self.waiting.appendleft(seq)
+            self.counters["preemptions"] += 1
+        used = sum(s.length + 1 for s in self.running)
+        newcomers = []
+        while (self.waiting and not preempted and len(self.running) < self.max_num_seqs
+               and used + self.waiting[0].length + 1 <= self.capacity):
+            seq = self.waiting.popleft()
+            used += seq.length + 1
+            if not seq.admitted:
+                self.counters["prompt_tokens"] += len(seq.prompt)
+                seq.admitted = True
+            self.running.append(seq)
+            newcomers.append(seq)
+        return newcomers
+
+    def step(self, newcomers: list[Sequence]) -> None:
+        decoding = [s for s in self.running if s not in newcomers]
+        groups: dict[int, list[Sequence]] = {}
+        for seq in decoding:
+            groups.setdefault(id(seq.adapter), []).append(seq)
+        for group in groups.values():
+            logits = self.decode(group)
+            for row, seq in enumerate(group):
+                self.sample(seq, logits[row])
+        for seq in newcomers:
+            self.activate(seq.adapter)
+            output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
+                                logits_to_keep=1)
+            cache = output[self.cache_arg]
+            seq.kv = [(layer.keys, layer.values) for layer in cache.layers]
+            self.sample(seq, output.logits[0, -1])
+        with self.cond:
+            for seq in [s for s in self.running if s.finish_reason]:
+                self.running.remove(seq)
+                self.finish(seq, seq.finish_reason)
+
+    def activate(self, adapter: Adapter | None) -> None:
+        weights = adapter.weights if adapter else {}
+        for name, switch in self.switches.items():
+            switch.active = weights.get(name)
+
+    def decode(self, group: list[Sequence]) -> torch.Tensor:
+        """One token for each sequence of one adapter: caches left-padded to a common length,
+        padding masked out, positions given explicitly; each cache then grows by one."""
+        from transformers import DynamicCache
+
+        self.activate(group[0].adapter)
+        lengths = [seq.kv[0][0].shape[2] for seq in group]
+        width, rows = max(lengths), len(group)
+        layers = []
+        for index, (keys, values) in enumerate(group[0].kv):
+            padded = [keys.new_zeros(rows, keys.shape[1], width, keys.shape[3]),
+                      values.new_zeros(rows, values.shape[1], width, values.shape[3])]
+            for row, (seq, length) in enumerate(zip(group, lengths)):
+                for tensor, part in zip(padded, seq.kv[index]):
+                    tensor[row, :, width - length:] = part[0]
+            layers.append(tuple(padded))
+        mask = torch.zeros(rows, width + 1, dtype=torch.long)
+        for row, length in enumerate(lengths):
+            mask[row, width - length:] = 1
+        output = self.model(
+            input_ids=torch.tensor([[seq.generated[-1]] for seq in group]),
+            attention_mask=mask, position_ids=torch.tensor([[n] for n in lengths]),
+            use_cache=True, **{self.cache_arg: DynamicCache(layers)})
+        grown = output[self.cache_arg].layers
+        for row, seq in enumerate(group):
+            seq.kv = [(torch.cat([k, layer.keys[row:row + 1, :, width:]], 2),
+                       torch.cat([v, layer.values[row:row + 1, :, width:]], 2))
+                      for (k, v), layer in zip(seq.kv, grown)]
+        return output.logits[:, -1]
+
+    def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        scores = processed_logprobs(logits, p)
+        if p.temperature < GREEDY_EPS:
+            token = int(scores.argmax())
+        else:
+            token = int(torch.multinomial(scores.exp(), 1, generator=seq.generator))
+        if p.logprobs is not None:
+            top = scores.topk(p.logprobs)
+            seq.logprobs.append((float(scores[token]), top.indices.tolist(), top.values.tolist()))
+        seq.generated.append(token)
+        self.counters["generation_tokens"] += 1
+        if token == p.eos_id:
+            seq.finish_reason = "stop"
+        elif token in p.stop_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif len(seq.generated) >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.successes[reason] += 1
+        seq.resolve()
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+class Server:
+    def __init__(self, args, model, tokenizer):
+        self.args, self.tokenizer = args, tokenizer
+        self.name = args.served_model_name or args.model
+        self.max_len = args.max_model_len or model.config.max_position_embeddings
+        self.adapters: dict[str, Adapter] = {}
+        self.rng = random.Random(args.seed)
+        self.created = int(time.time())
+        generation = getattr(model, "generation_config", None)
+        extra = getattr(generation, "eos_token_id", None)
+        self.eos_id = tokenizer.eos_token_id
+        self.extra_eos = {extra} if isinstance(extra, int) else set(extra or ())
+        self.extra_eos.discard(self.eos_id)
+        self.vocab = model.config.vocab_size
+        switches = {}
+        for name, module in list(model.named_modules()):
+            if name.rpartition(".")[2] in TARGETS and isinstance(module, nn.Linear):
+                parent, _, child = name.rpartition(".")
+                switches[name] = Switch(module)
+                setattr(model.get_submodule(parent), child, switches[name])
+        self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens)
+        self.piece = lru_cache(maxsize=1 << 16)(
+            lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
+
+    def app(self):
+
+        @web.middleware
+        async def errors(request, handler):
+            try:
+                return await handler(request)
+            except ApiError as error:
+                return web.json_response(error.body(), status=error.status)
+
+        app = web.Application(middlewares=[errors], client_max_size=64 << 20)
+        app.add_routes([
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.get("/metrics", self.metrics),
+            web.post("/v1/load_lora_adapter", self.load_lora),
+            web.post("/v1/unload_lora_adapter", self.unload_lora),
+            web.post("/v1/completions", self.completions),
+        ])
+        return app
+
+    async def health(self, request):
+        return web.Response(status=200)
+
+    def card(self, name: str, root: str, parent: str | None) -> dict:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "reprorl",
+                "root": root, "parent": parent, "max_model_len": self.max_len}
+
+    async def models(self, request):
+        cards = [self.card(self.name, self.args.model, None)] + [
+            self.card(a.name, a.path, self.name) for a in self.adapters.values()]
+        return web.json_response({"object": "list", "data": cards})
+
+    async def metrics(self, request):
+        engine, label = self.engine, f'engine="0",model_name="{self.name}"'
+        counters, blocks = engine.counters, f'num_gpu_blocks="{engine.capacity // 16}",'
+        table = [  # name, type, help, [(extra labels, value)]
+            ("vllm:num_requests_running", "gauge", "Requests in model execution batches.",
+             [("", len(engine.running))]),
+            ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.",
+             [("", len(engine.waiting))]),
+            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+             [("", engine.kv_in_use() / engine.capacity)]),
+            ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
+             [("", counters["preemptions"])]),
+            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+             [("", counters["prompt_tokens"])]),
+            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+             [("", counters["generation_tokens"])]),
+            ("vllm:request_success_total", "counter", "Count of successfully processed requests.",
+             [(f'finished_reason="{r}",', n) for r, n in engine.successes.items()]),
+            ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+             [(f'block_size="16",{blocks}', 1)]),
+        ]
+        lines = []
+        for name, kind, text, samples in table:
+            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{extra}{label}}} {float(value)}" for extra, value in samples]
+        return web.Response(body=("\n".join(lines) + "\n").encode(), headers={
+            "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def body(self, request) -> dict:
+        try:
+            body = await request.json()
+        except ValueError as error:
+            raise ApiError(400, f"Invalid JSON body: {error}") from error
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        return body
+
+    async def load_lora(self, request):
+        body = await self.body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if name in self.adapters or name == self.name:
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
+        if len(self.adapters) >= self.args.max_loras:
+            raise ApiError(400, f"{self.args.max_loras} LoRA adapters are already loaded "
+                           "(--max-loras); unload one first.")
+        adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.switches,
+                                          self.args.max_lora_rank)
+        if name in self.adapters:  # loaded by a concurrent request meanwhile
+            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
+        self.adapters[name] = adapter
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora(self, request):
+        name = (await self.body(request)).get("lora_name")
+        if self.adapters.pop(name, None) is None:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
+        log.info("unloaded LoRA adapter %s", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def params(self, body: dict, prompt_len: int) -> Params:
+        def number(key, default, kind=float):
+            value = body.get(key, default)
+            value = default if value is None else value
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                    kind is int and value != int(value)):
+                raise ApiError(400, f"'{key}' must be a number, got {value!r}.")
+            return kind(value)
+
+        for key in ("stream", "echo"):
+            if body.get(key):
+                raise ApiError(400, f"'{key}' is not supported by this server.")
+        if number("n", 1, int) != 1:
+            raise ApiError(400, "Only n=1 is supported by this server.")
+        unbounded = "max_tokens" in body and body["max_tokens"] is None  # vLLM: fill the context
+        maximum = number("max_tokens", self.max_len - prompt_len if unbounded else 16, int)
+        if maximum < 1:
+            raise ApiError(400, f"max_tokens must be at least 1, got {maximum}.")
+        if prompt_len + maximum > self.max_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_len} tokens. "
+                           f"However, you requested {prompt_len + maximum} tokens ({prompt_len} "
+                           f"in the messages, {maximum} in the completion). Please reduce the "
+                           "length of the messages or completion.")
+        p = Params(maximum, number("temperature", 1.0), number("top_p", 1.0),
+                   number("top_k", 0, int), number("min_p", 0.0))
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < -1 or not 0 <= p.min_p <= 1:
+            raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
+                           "min_p in [0, 1].")
+        if body.get("logprobs") is not None:
+            p.logprobs = number("logprobs", 0, int)
+            if not 0 <= p.logprobs <= self.args.max_logprobs:
+                raise ApiError(400, f"Requested sample logprobs of {p.logprobs}, which is "
+                               f"greater than max allowed: {self.args.max_logprobs}")
+        stops = body.get("stop_token_ids") or []
+        if not isinstance(stops, list) or not all(isinstance(t, int) for t in stops):
+            raise ApiError(400, "'stop_token_ids' must be a list of token ids.")
+        ignore = bool(body.get("ignore_eos", False))
+        p.eos_id = None if ignore else self.eos_id
+        p.stop_ids = frozenset(stops) | (frozenset() if ignore else frozenset(self.extra_eos))
+        return p
+
+    def prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ApiError(400, "'prompt' must be a non-empty string or list of token ids "
+                           "(one prompt per request).")
+        if any(not 0 <= t < self.vocab for t in prompt):
+            raise ApiError(400, f"Token id out of vocabulary (size {self.vocab}).")
+        return prompt
+
+    async def completions(self, request):
+        body = await self.body(request)
+        model = body.get("model") or self.name
+        if model != self.name and model not in self.adapters:
+            raise ApiError(404, f"The model `{model}` does not exist.")
+        prompt = self.prompt(body.get("prompt"))
+        params = self.params(body, len(prompt))
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, "'seed' must be an integer or null.")
+        generator = torch.Generator().manual_seed(
+            self.rng.getrandbits(63) if seed is None else seed % (1 << 64))
+        loop = asyncio.get_running_loop()
+        seq = Sequence(prompt, params, self.adapters.get(model), generator,
+                       loop.create_future(), loop)
+        self.engine.submit(seq)
+        try:
+            await seq.future
+        except asyncio.CancelledError:
+            seq.aborted = True  # the client went away; the engine drops it at its next step
+            raise
+        return web.json_response(self.response(seq, model, body))
+
+    def response(self, seq: Sequence, model: str, body: dict) -> dict:
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
+
+        def piece(tid: int) -> str:
+            return f"token_id:{tid}" if as_ids else self.piece(tid)
+
+        shown = seq.generated[:-1] if seq.finish_reason == "stop" else seq.generated
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+            for tid, (value, ids, values) in zip(seq.generated, seq.logprobs):
+                top = {piece(tid): max(value, -9999.0)}  # the sampled token first, as vLLM
+                for other, other_value in zip(ids, values):
+                    top.setdefault(piece(other), max(other_value, -9999.0))
+                tokens = logprobs["tokens"]
+                logprobs["text_offset"].append(
+                    logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else 0)
+                tokens.append(piece(tid))
+                logprobs["token_logprobs"].append(max(value, -9999.0))
+                logprobs["top_logprobs"].append(top)
+        with_ids = bool(body.get("return_token_ids"))
+        choice = {
+            "index": 0,
+            "text": self.tokenizer.decode(
+                shown, skip_special_tokens=body.get("skip_special_tokens", True) is not False),
+            "logprobs": logprobs,
+            "finish_reason": seq.finish_reason,
+            "stop_reason": seq.stop_reason,
+            "token_ids": list(seq.generated) if with_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": list(seq.prompt) if with_ids else None,
+        }
+        prompt_tokens, completion_tokens = len(seq.prompt), len(seq.generated)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": model, "choices": [choice],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens,
+                          "prompt_tokens_details": None}}
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="reprorl serve", description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", required=True, help="Hugging Face model directory")
+    add("--served-model-name", default=None, help="model name in the API (default: --model)")
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000, help="0 picks a free port")
+    add("--port-file", default=None, help="write the bound port here once listening")
+    add("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
+    add("--max-num-seqs", type=int, default=64, help="running sequences at most")
+    add("--kv-cache-tokens", type=int, default=32768, help="KV-cache capacity in tokens")
+    add("--max-loras", type=int, default=6)
+    add("--max-lora-rank", type=int, default=16)
+    add("--max-logprobs", type=int, default=20)
+    add("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add("--threads", type=int, default=1, help="torch threads")
+    add("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+async def serve(server: Server, args) -> None:
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    await web.SockSite(runner, sock).start()
+    port = sock.getsockname()[1]
+    if args.port_file:
+        scratch = f"{args.port_file}.{os.getpid()}.tmp"
+        Path(scratch).write_text(f"{port}\n")
+        os.replace(scratch, args.port_file)
+    print(f"reprorl serve: ready on http://{args.host}:{port}", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping")
+    engine = server.engine
+    engine.stop()
+    await asyncio.to_thread(engine.join, 30)
+    for seq in [*engine.running, *engine.waiting]:  # answer in-flight requests, then close
+        seq.resolve(ApiError(500, "The server is shutting down."))
+    await asyncio.sleep(0)
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # while loading; the event loop takes over
+        signal.signal(sig, lambda *_: sys.exit(0))
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, local_files_only=True, dtype=getattr(torch, args.dtype),
+        attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    server = Server(args, model, tokenizer)
+    if server.max_len > args.kv_cache_tokens:
+        print(f"reprorl serve: error: --max-model-len {server.max_len} exceeds --kv-cache-tokens "
+              f"{args.kv_cache_tokens}", file=sys.stderr)
+        return 2
+    server.engine.start()
+    asyncio.run(serve(server, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
