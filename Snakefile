@@ -15,6 +15,7 @@ include: "rules/base_model.smk"
 include: "rules/sft.smk"
 include: "rules/reward.smk"
 include: "rules/ppo.smk"
+include: "rules/grpo.smk"
 include: "rules/generate.smk"
 include: "rules/evaluate.smk"
 include: "rules/audit.smk"
@@ -30,6 +31,8 @@ rule all:
         rules.sft_validation.output,
         rules.ppo_resume_check.output,
         rules.ppo_report.output,
+        rules.grpo_verifier.output,
+        rules.grpo_learned.output,
         rules.evaluate.output,
         rules.exercise.output,
         rules.report.output,

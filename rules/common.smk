@@ -67,3 +67,16 @@ def final_checkpoint(name):
         f"assets/checkpoints/{name}-final.safetensors",
         f"assets/checkpoints/{name}-final.json",
     ]
+
+
+def grpo_output(run):
+    """Outputs of an async GRPO run (run: verifier, learned)."""
+    return {
+        "final": f"assets/checkpoints/grpo_{run}-final.safetensors",
+        "final_manifest": f"assets/checkpoints/grpo_{run}-final.json",
+        "peft": directory(f"assets/checkpoints/grpo_{run}-peft"),
+        "report": f"outputs/learning/grpo/{run}.json",
+        "metrics": f"outputs/learning/grpo/{run}-metrics.jsonl",
+        "run_dir": directory(f"assets/grpo/{run}"),
+        "manifest": f"outputs/manifests/grpo_{run}.json",
+    }

@@ -31,7 +31,10 @@ rule evaluate:
         generations=[
             rules.generate_sft.output.generations,
             rules.generate_ppo.output.generations,
+            rules.generate_grpo_verifier.output.generations,
+            rules.generate_grpo_learned.output.generations,
         ],
+        grpo=[rules.grpo_verifier.output.report, rules.grpo_learned.output.report],
         resume_checks=[
             rules.sft_resume_check.output.check,
             rules.reward_resume_check.output.check,
@@ -85,6 +88,8 @@ rule report:
         sft=rules.sft_continuous.output.report,
         reward=rules.reward_continuous.output.report,
         ppo=rules.ppo_report.output.report,
+        grpo_verifier=rules.grpo_verifier.output.metrics,
+        grpo_learned=rules.grpo_learned.output.metrics,
         results=rules.evaluate.output.results,
         table=rules.evaluate.output.table,
         exercise=rules.exercise.output.shortcuts,

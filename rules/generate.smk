@@ -73,3 +73,57 @@ rule generate_ppo:
         config=stage_config_json(config, "generate_ppo"),
     shell:
         stage_command("generate_ppo")
+
+
+rule generate_grpo_verifier:
+    input:
+        pages=rules.generation_inputs.output.pages,
+        model=config["model"]["path"],
+        model_manifest=rules.base_model.output.manifest,
+        actor=final_checkpoint("grpo_verifier"),
+        reference=final_checkpoint("sft"),
+        reward=final_checkpoint("reward"),
+    output:
+        generations="outputs/inference/grpo_verifier.json",
+        manifest="outputs/manifests/generate_grpo_verifier.json",
+    log:
+        "logs/generate_grpo_verifier.log",
+    benchmark:
+        "outputs/benchmarks/generate_grpo_verifier.tsv"
+    shadow:
+        "minimal"
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    threads: 1
+    params:
+        code=code_hash("generate_grpo_verifier"),
+        config=stage_config_json(config, "generate_grpo_verifier"),
+    shell:
+        stage_command("generate_grpo_verifier")
+
+
+rule generate_grpo_learned:
+    input:
+        pages=rules.generation_inputs.output.pages,
+        model=config["model"]["path"],
+        model_manifest=rules.base_model.output.manifest,
+        actor=final_checkpoint("grpo_learned"),
+        reference=final_checkpoint("sft"),
+        reward=final_checkpoint("reward"),
+    output:
+        generations="outputs/inference/grpo_learned.json",
+        manifest="outputs/manifests/generate_grpo_learned.json",
+    log:
+        "logs/generate_grpo_learned.log",
+    benchmark:
+        "outputs/benchmarks/generate_grpo_learned.tsv"
+    shadow:
+        "minimal"
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    threads: 1
+    params:
+        code=code_hash("generate_grpo_learned"),
+        config=stage_config_json(config, "generate_grpo_learned"),
+    shell:
+        stage_command("generate_grpo_learned")

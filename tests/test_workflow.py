@@ -20,6 +20,8 @@ MODES = ("interrupt", "continuous", "resume", "resume_check")
 WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward") for mode in MODES}
 WARMSTART |= {"sft_validation"}
 PPO = {f"ppo_{mode}" for mode in MODES} | {"ppo_report"}
+GRPO = {f"grpo_{run}" for run in ("verifier", "learned")}
+GRPO |= {f"generate_{rule}" for rule in GRPO}
 # what any change to a policy re-runs downstream of it
 JUDGING = {"generate_sft", "generate_ppo", "reward_test", "evaluate", "exercise", "report"}
 
@@ -49,7 +51,7 @@ def test_full_run_outputs(workflow):
     for check in ("sft", "reward", "ppo"):
         assert read_json(workflow / f"outputs/learning/{check}/resume-check.json")["status"] == (
             "PASS")
-    for stage in ("prepare", "base_model", *sorted(WARMSTART | PPO | JUDGING)):
+    for stage in ("prepare", "base_model", *sorted(WARMSTART | PPO | GRPO | JUDGING)):
         manifest = read_json(workflow / f"outputs/manifests/{stage}.json")
         assert manifest["hashed"]["code_sha256"] and manifest["run"]["wall_seconds"] >= 0
         assert (workflow / f"outputs/benchmarks/{stage}.tsv").is_file()
@@ -94,14 +96,16 @@ def test_results_fit_their_schema_and_invariants(workflow):
     validate_results(results)
     assert results["learned_score_name"] == "predicted simulated preference"
     assert {c["status"] for c in results["resume_checks"].values()} == {"PASS"}
-    for policy in ("sft", "ppo"):
+    assert set(results["policies"]) == {"sft", "ppo", "grpo_verifier", "grpo_learned"}
+    for policy in results["policies"]:
         metrics = results["policies"][policy]["metrics"]
         assert [metrics[p]["rows"] for p in ("test_rows", "probe_rows", "probe_unique_contexts",
                                             "all_rows", "all_unique_contexts")] == [
             180, 80, 20, 260, 200]
     table = (workflow / "outputs/results.md").read_text()
     assert "no human study" in table and "predicted simulated preference" in table
-    assert len(list((workflow / "outputs/report").glob("*.png"))) == 5
+    assert len(list((workflow / "outputs/report").glob("*.png"))) == 6
+    assert "## GRPO training" in table
 
 
 def test_exercise_left_every_hash_unchanged(workflow):
@@ -156,10 +160,12 @@ def test_audit_target_passes(workflow):
         ("ppo_math.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
         ("report.py", {"report"}),
         ("evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
-        ("warmstart.py", WARMSTART | PPO | JUDGING),  # PPO starts from the warm start
-        ("base_model.py", {"base_model"} | WARMSTART | PPO | JUDGING),
-        ("rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO
+        # PPO and GRPO start from the warm start
+        ("warmstart.py", WARMSTART | PPO | GRPO | JUDGING),
+        ("base_model.py", {"base_model"} | WARMSTART | PPO | GRPO | JUDGING),
+        ("rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO | GRPO
          | JUDGING),
+        ("grpo/loss.py", GRPO | {"evaluate", "exercise", "report"}),
         ("cli.py", set()),
     ],
 )

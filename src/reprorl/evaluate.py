@@ -34,6 +34,7 @@ REWARD_TEST = Path("outputs/reward-test.json")
 EXERCISE = Path("outputs/exercise/reward-shortcuts.json")
 SFT_VALIDATION = Path("outputs/learning/sft/validation-greedy.json")
 PPO_SAMPLED = Path("outputs/learning/ppo/rollout-rubric.json")
+GRPO_RUNS = {run: Path(f"outputs/learning/grpo/{run}.json") for run in ("verifier", "learned")}
 SCORE_NAME = "predicted simulated preference"
 SCOPE = ("Synthetic finite grammar and simulated preferences; no human study. The learned score "
          "is a predicted simulated preference, not utility or satisfaction. Prose outside the "
@@ -188,6 +189,7 @@ def evaluate(config: dict, policies: list[str]) -> dict:
         "sft_validation": {k: v for k, v in read_json(SFT_VALIDATION).items() if k != "rows"},
         "ppo_sampled_responses": {k: v for k, v in read_json(PPO_SAMPLED).items()
                                   if k != "iterations"},
+        "grpo_training": {run: read_json(path) for run, path in GRPO_RUNS.items()},
         "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
         "stage_timings": stage_timings(),
     }
@@ -255,6 +257,19 @@ def markdown(results: dict) -> str:
         lines.append(f"| {window.replace('_', ' ')} iterations | "
                      f"{_percent(w['rubric_success_rate'])} | {_percent(w['recognized_rate'])} "
                      f"| {w['mean_reward_model_score']:.3f} |")
+    lines += ["", "## GRPO training (sampled at temperature 1, first / last tenth of the windows)",
+              "", ("| run | steps | reward | reward kept | frac zero std | mean staleness | "
+                   "stale dropped (per window) |"), "|---|---|---|---|---|---|---|"]
+    for run, summary in results["grpo_training"].items():
+        first, last = summary["first_windows"], summary["last_windows"]
+
+        def pair(key, first=first, last=last):
+            values = [w.get(key) for w in (first, last)]
+            return " -> ".join("n/a" if v is None else f"{v:.3g}" for v in values)
+
+        lines.append(f"| {run} | {summary['steps']} | {pair('reward')} | {pair('reward_kept')} "
+                     f"| {pair('frac_reward_zero_std')} | {pair('sample/staleness_mean')} | "
+                     f"{pair('sample/dropped_stale_count')} |")
     lines += ["", "## Stage timings", "", "| stage | wall seconds | peak RSS (MB) |",
               "|---|---|---|"]
     for stage, t in results["stage_timings"].items():
@@ -338,7 +353,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         # the upstream manifests are read for their run sections (timings) only; they are not
         # inputs of the results: re-running an upstream stage to identical outputs must not
         # make the audit call the results stale
-        inputs = [*labels, REWARD_TEST, SFT_VALIDATION, PPO_SAMPLED,
+        inputs = [*labels, REWARD_TEST, SFT_VALIDATION, PPO_SAMPLED, *GRPO_RUNS.values(),
                   *[f"outputs/inference/{p}.json" for p in POLICIES],
                   *[f"outputs/learning/{b}/resume-check.json" for b in RESUME_CHECKS]]
         run.finish(inputs=inputs, outputs=[RESULTS, RESULTS_MD], summary=summary)

@@ -2,7 +2,8 @@
 
 Figures: the base model's pretraining curve; SFT and reward-model training losses with their
 validation per epoch; PPO's sampled responses per iteration (reward-model score and rubric
-success); the policies side by side (rubric success against predicted simulated preference);
+success); the two async GRPO runs per metrics window (reward of all scored rollouts, reward of
+the trained ones, the share of dropped zero-std groups); the policies side by side (rubric success against predicted simulated preference);
 the politeness deltas of the frozen reward model on the 20 probe contexts.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 from pathlib import Path
 
 from .manifest import atomic_write_bytes, atomic_write_text, read_json
@@ -23,8 +25,10 @@ INPUTS = {
     "results": Path("outputs/results.json"),
     "exercise": Path("outputs/exercise/reward-shortcuts.json"),
     "table": Path("outputs/results.md"),
+    "grpo_verifier": Path("outputs/learning/grpo/verifier-metrics.jsonl"),
+    "grpo_learned": Path("outputs/learning/grpo/learned-metrics.jsonl"),
 }
-FIGURES = ("pretraining", "warmstart", "ppo", "policies", "probes")
+FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "probes")
 
 
 def moving_average(values: list[float], width: int = 10) -> list[float]:
@@ -54,7 +58,7 @@ def figures() -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}
+    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}  # not JSONL
     paths = []
 
     figure, axis = plt.subplots(figsize=(6, 3.2))
@@ -99,6 +103,22 @@ def figures() -> list[Path]:
     axis.legend(loc="upper left", fontsize=7)
     twin.legend(loc="lower right", fontsize=7)
     paths.append(_save(figure, "ppo"))
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    for axis, run in zip(axes, ("verifier", "learned")):
+        lines = INPUTS[f"grpo_{run}"].read_text().splitlines()
+        windows = [w for w in map(json.loads, lines) if w.get("loss") is not None]
+        steps = [w["step"] for w in windows]
+        for key in ("reward", "reward_kept"):
+            axis.plot(steps, [w.get(key) for w in windows], label=key)
+        twin = axis.twinx()
+        twin.plot(steps, [w.get("frac_reward_zero_std") for w in windows], color="grey",
+                  linestyle=":", label="frac_reward_zero_std")
+        twin.set(ylim=(-0.05, 1.05))
+        axis.set(title=f"GRPO ({run} reward), sampled at temperature 1", xlabel="step")
+        axis.legend(loc="upper left", fontsize=7)
+        twin.legend(loc="lower right", fontsize=7)
+    paths.append(_save(figure, "grpo"))
 
     figure, axis = plt.subplots(figsize=(6.5, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

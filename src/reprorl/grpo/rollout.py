@@ -184,7 +184,7 @@ class AsyncRolloutLoop:
                  heartbeat_value, failed_event, exception_info_queue, metrics_queue,
                  tools=None, environment_factory=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
-                 queued_tokens=None, stop_event=None, skip_positions=()):
+                 queued_tokens=None, queued_samples=None, stop_event=None, skip_positions=()):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
         self.eos_token_ids = set(eos_token_ids)
@@ -194,7 +194,8 @@ class AsyncRolloutLoop:
         self.metrics_queue, self.tools = metrics_queue, list(tools or [])
         self.environment_factory, self.score_queue_maxsize = environment_factory, score_queue_maxsize
         self.lora_name, self.start = lora_name, dataset_start_index
-        self.queued_tokens, self.stop_event = queued_tokens, stop_event
+        self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
+        self.stop_event = stop_event
         self.skip_positions = set(skip_positions)
         self.request_number = 0
         self.in_flight_groups = 0
@@ -204,7 +205,6 @@ class AsyncRolloutLoop:
         self.finished_since_raise = 0
         self.records: list[tuple] = []
         self.last_rate_time = time.monotonic()
-        self.produced_samples = 0
 
     # ------------------------------------------------------------ hooks
 
@@ -281,12 +281,20 @@ class AsyncRolloutLoop:
             tasks = [asyncio.create_task(c) for c in (
                 self._produce(), self._score(), self._beat(), self._poll_metrics())]
             tasks.append(self.crashed)
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for task in pending:
-                task.cancel()
-            for task in done:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()
+            # _score and `crashed` never finish on their own, so waiting for every task would
+            # only end when the trainer kills the process: stop once stop_event is set (the
+            # heartbeat task then returns) or as soon as a task fails.
+            pending = set(tasks)
+            try:
+                while pending and not self.stopping():
+                    done, pending = await asyncio.wait(pending,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        if not task.cancelled() and task.exception() is not None:
+                            raise task.exception()
+            finally:
+                for task in pending:
+                    task.cancel()
         finally:
             try:
                 await self.close()
@@ -356,23 +364,27 @@ class AsyncRolloutLoop:
             self.record("rollout/backpressure_s", time.monotonic() - waited_from)
 
     def _sync_room(self, state: list) -> bool:
-        """Baseline: produce one step's samples at version v, then wait for version v+1 with
-        an empty queue. state = [version the batch started at, samples produced then]."""
+        """Baseline: fill the queue to one step's samples under version v, then wait until
+        the trainer has stepped and synced v+1. state = [v of the current batch, full]."""
         per_step = self.config.per_device_train_batch_size * (
             self.config.gradient_accumulation_steps)
         version = self.model_version.value
-        if state[0] is None or (version > state[0] and self.queued_tokens.value <= 0
-                                and self.in_flight_groups == 0):
-            state[0], state[1] = version, self.produced_samples
-        produced = self.produced_samples - state[1]
-        return produced + self.in_flight_groups * self.config.num_generations < per_step
+        if state[0] is None or (state[1] and version > state[0]):
+            state[0], state[1] = version, False
+        if state[1]:
+            return False
+        queued = self.queued_samples.value + self.in_flight_groups * self.config.num_generations
+        if queued >= per_step:
+            state[1] = True
+            return False
+        return True
 
     async def _produce(self) -> None:
         rows = len(self.dataset)
         end = None
         if self.config.max_steps <= 0:
             end = math.ceil(self.config.num_train_epochs * rows)
-        position, accepted_in_epoch, sync_state = self.start, 0, [None, 0]
+        position, accepted_in_epoch, sync_state = self.start, 0, [None, False]
         group_id, tasks = 0, set()
         while not self.stopping() and (end is None or position < end):
             epoch, row_index = divmod(position, rows)
@@ -546,7 +558,8 @@ class AsyncRolloutLoop:
         self.record("rollout/samples_per_rollout", len(samples) / len(group.completions_ids))
         with self.queued_tokens.get_lock():
             self.queued_tokens.value += sum(s.tokens for s in samples)
-        self.produced_samples += len(samples)
+        with self.queued_samples.get_lock():
+            self.queued_samples.value += len(samples)
         self.rollout_buffer.put(GroupResult(group.position, samples))
 
 
@@ -556,6 +569,11 @@ def run_rollout_loop(loop_cls, kwargs: dict) -> None:
     import torch
 
     torch.set_num_threads(1)
+    # The worker exits only when the trainer stops it or it fails; either way the trainer
+    # reads no more samples or records, so do not block the exit flushing them into a full
+    # pipe (the traceback queue is left alone: the trainer reads it).
+    kwargs["rollout_buffer"].cancel_join_thread()
+    kwargs["metrics_queue"].cancel_join_thread()
     loop = None
     try:
         loop = loop_cls(**kwargs)

@@ -36,6 +36,7 @@ import torch
 
 from .. import lora
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
+from . import server as embedded_server  # started by module name; imported for the code hash
 from .batching import PaddedBatcher
 from .client import ServerAdmin
 from .config import AsyncGRPOConfig
@@ -151,7 +152,7 @@ class AsyncGRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         port_file, log_path = self.output_dir / "server.port", self.output_dir / "server.log"
         port_file.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "reprorl.grpo.server", "--model", self.model_path,
+        command = [sys.executable, "-m", embedded_server.__name__, "--model", self.model_path,
                    "--port", "0", "--port-file", str(port_file),
                    "--threads", str(self.args.embedded_server_threads),
                    "--max-num-seqs", str(self.args.embedded_server_max_num_seqs),
@@ -266,6 +267,7 @@ class AsyncGRPOTrainer:
             max(self.args.max_staleness, 1) * self.args.gradient_accumulation_steps
             * self.token_budget))  # before the first step: full rows
         self.queued_tokens = context.Value("q", 0)
+        self.queued_samples = context.Value("q", 0)
         kwargs = {
             "config": self.args, "model_name": self.model_path, "dataset": self.rows,
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
@@ -274,7 +276,8 @@ class AsyncGRPOTrainer:
             "heartbeat_value": self.heartbeat, "failed_event": self.failed,
             "exception_info_queue": self.exception_queue, "metrics_queue": self.metrics_queue,
             "lora_name": self.lora_name, "dataset_start_index": start,
-            "queued_tokens": self.queued_tokens, "stop_event": self.stop_event,
+            "queued_tokens": self.queued_tokens, "queued_samples": self.queued_samples,
+            "stop_event": self.stop_event,
             "skip_positions": skip}
         previous = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the child inherits it at spawn
@@ -348,6 +351,8 @@ class AsyncGRPOTrainer:
     def _release_tokens(self, sample) -> None:
         with self.queued_tokens.get_lock():
             self.queued_tokens.value -= sample.tokens
+        with self.queued_samples.get_lock():
+            self.queued_samples.value -= 1
 
     def _next_sample(self):
         while True:
