@@ -1,8 +1,9 @@
 """Async GRPO against the same engine run synchronously, side by side in one run.
 
 Both arms start from the same SFT actor, train on the same 672 rollout prompts with the same
-reward (the rubric verifier), seed and step budget (`--steps` optimizer steps of
-`per_device_train_batch_size` samples), with the embedded server:
+reward (the rubric verifier by default, `--reward learned` for the reward model), seed and
+step budget (`--steps` optimizer steps of `per_device_train_batch_size` samples), with the
+embedded server:
 - sync: the worker fills one step's samples under version v, then waits until the trainer has
   stepped and synced v+1 (generation waits for training, one version at a time);
 - async: the default flow control (`max_staleness` = 4, token allowance).
@@ -26,15 +27,16 @@ from reprorl import config as configuration
 from reprorl import roles
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from reprorl.grpo_run import RubricVerifier, dataset
+from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset
 
 REPORTED = ("perf/rollout_wait_s", "rollout/backpressure_s", "rollout/queue_size",
             "sample/staleness_mean", "rollout/concurrency", "perf/fwd_bwd_s", "perf/step_s",
             "frac_reward_zero_std", "rollout/vllm_kv_cache_usage_frac")
 
 
-def arm(config: dict, synchronous: bool, steps: int, workdir: Path) -> dict:
-    settings = {k: v for k, v in config["grpo"].items() if k != "cut_penalty"}
+def arm(config: dict, synchronous: bool, steps: int, workdir: Path, reward: str) -> dict:
+    settings = {k: v for k, v in config["grpo"].items()
+                if k not in ("cut_penalty", "vllm_server_base_url")}
     settings.update(max_steps=steps, save_strategy="no", logging_steps=1, disable_tqdm=True,
                     synchronous=synchronous)
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -44,8 +46,10 @@ def arm(config: dict, synchronous: bool, steps: int, workdir: Path) -> dict:
                            dtype=config["model"]["dtype"],
                            embedded_server_max_model_len=config["limits"]["context_tokens"],
                            max_completion_length=config["limits"]["response_tokens"], **settings)
-    trainer = AsyncGRPOTrainer(actor.backbone, RubricVerifier(tokenizer.eos_token_id), args,
-                               dataset("verifier"), tokenizer, log=lambda message: None)
+    function = (RubricVerifier(tokenizer.eos_token_id) if reward == "verifier"
+                else LearnedReward(config, config["grpo"]["cut_penalty"]))
+    trainer = AsyncGRPOTrainer(actor.backbone, function, args, dataset(reward), tokenizer,
+                               log=lambda message: None)
     started = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - started
@@ -71,12 +75,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--reward", choices=("verifier", "learned"), default="verifier")
     args = parser.parse_args()
     config = configuration.load(args.config)
     workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     try:
-        sync = arm(config, True, args.steps, workdir)
-        fast = arm(config, False, args.steps, workdir)
+        sync = arm(config, True, args.steps, workdir, args.reward)
+        fast = arm(config, False, args.steps, workdir, args.reward)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"{'':34} {'sync':>12} {'async':>12}")

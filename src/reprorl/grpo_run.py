@@ -95,7 +95,7 @@ def dataset(run: str) -> list[dict]:
 
 def train(config: dict, run: str, log=print) -> dict:
     settings, limits = dict(config["grpo"]), config["limits"]
-    cut_penalty = settings.pop("cut_penalty")
+    cut_penalty, server_url = settings.pop("cut_penalty"), settings.pop("vllm_server_base_url")
     output_dir = Path(f"assets/grpo/{run}")
     shutil.rmtree(output_dir, ignore_errors=True)  # a rule re-run starts afresh
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -104,8 +104,11 @@ def train(config: dict, run: str, log=print) -> dict:
               else LearnedReward(config, cut_penalty))
     actor, sft_meta = roles.load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
+    if server_url is not None:
+        settings["vllm_server_base_url"] = server_url
     args = AsyncGRPOConfig(
-        output_dir=str(output_dir), embedded_server=True, dtype=config["model"]["dtype"],
+        output_dir=str(output_dir), embedded_server=server_url is None,
+        dtype=config["model"]["dtype"],
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)

@@ -13,20 +13,23 @@ Flow control (ARCHITECTURE.md section 6, the seed's "Concurrency"):
 - server load: a live cap on rollouts in flight, started at the KV-cache capacity over
   max_model_len and adjusted from `/metrics` every 5 s (+25 % below 60 % usage with nothing
   waiting, -30 % above 80 %); `max_concurrent_rollouts` bounds it;
-- `synchronous=True` is the baseline: one step's worth of samples, then wait until the trainer
-  has consumed them and synced a new version.
-Every prompt position (epoch * rows + row) reaches the trainer exactly once: as samples, or as
-a "consumed" marker (filtered prompt, dropped group), so the trainer can keep the resume cursor.
+- `synchronous=True` is the baseline: fill the queue to one step's samples under version v,
+  then wait until the trainer has stepped and synced v+1.
+Positions count through each epoch's seeded shuffle of the rows. Every position reaches the
+trainer exactly once: as samples, or as a "consumed" marker (filtered prompt, dropped group),
+so the trainer can keep the resume cursor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import inspect
 import math
 import os
 import queue
+import sys
 import time
 import traceback
 import uuid
@@ -95,7 +98,7 @@ class RolloutGroup:
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
-    position: int = 0  # epoch * rows + row_index: the resume cursor's unit
+    position: int = 0  # epoch * rows + index in the epoch order: the resume cursor's unit
     truncated: list[bool] = field(default_factory=list)
     reward_by_func: dict[str, list[float]] = field(default_factory=dict)
 
@@ -167,6 +170,13 @@ def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[flo
     return queued_tokens + (in_flight_groups + 1) * estimate <= allowance
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_order(seed: int, epoch: int, rows: int) -> tuple[int, ...]:
+    """The rows of an epoch in a seeded random order (TRL's `train_sampling_strategy="random"`);
+    positions count through it, so a resume cursor names the same prompt in any process."""
+    return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(rows))
+
+
 def is_stale(current_version: int, sample_version: int, max_staleness: int) -> bool:
     """A sample more than max_staleness weight versions behind at dequeue is dropped."""
     return current_version - sample_version > max_staleness
@@ -192,7 +202,8 @@ class AsyncRolloutLoop:
         self.token_allowance, self.heartbeat = token_allowance, heartbeat_value
         self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
         self.metrics_queue, self.tools = metrics_queue, list(tools or [])
-        self.environment_factory, self.score_queue_maxsize = environment_factory, score_queue_maxsize
+        self.environment_factory = environment_factory
+        self.score_queue_maxsize = score_queue_maxsize
         self.lora_name, self.start = lora_name, dataset_start_index
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
         self.stop_event = stop_event
@@ -387,12 +398,13 @@ class AsyncRolloutLoop:
         position, accepted_in_epoch, sync_state = self.start, 0, [None, False]
         group_id, tasks = 0, set()
         while not self.stopping() and (end is None or position < end):
-            epoch, row_index = divmod(position, rows)
-            if row_index == 0:
+            epoch, index = divmod(position, rows)
+            if index == 0:
                 accepted_in_epoch = 0
             if position in self.skip_positions:
                 position += 1
                 continue
+            row_index = epoch_order(self.config.seed, epoch, rows)[index]
             row = self.dataset[row_index]
             if self.filter_prompt(row_index, row, epoch):
                 accepted_in_epoch += 1
@@ -406,7 +418,7 @@ class AsyncRolloutLoop:
                 group_id += 1
             else:
                 self.rollout_buffer.put(GroupResult(position, [], "filtered"))
-            if row_index == rows - 1 and accepted_in_epoch == 0:
+            if index == rows - 1 and accepted_in_epoch == 0:
                 raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no "
                                    "sample can reach the trainer; loosen the filter")
             position += 1
@@ -563,9 +575,16 @@ class AsyncRolloutLoop:
         self.rollout_buffer.put(GroupResult(group.position, samples))
 
 
-def run_rollout_loop(loop_cls, kwargs: dict) -> None:
+def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None) -> None:
     """Entry point of the spawned worker process (CPU only, its own event loop)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    if parent_pid is not None and sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with it
+        if os.getppid() != parent_pid:  # the trainer died before prctl took effect
+            return
     import torch
 
     torch.set_num_threads(1)

@@ -26,8 +26,10 @@ import os
 import pickle
 import queue
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -51,6 +53,19 @@ from .metrics import MetricsLog, MetricsWindow, console_line
 from .rollout import AsyncRolloutLoop, GroupResult, drain, is_stale, reward_name, run_rollout_loop
 
 logger = logging.getLogger("reprorl.grpo")
+
+
+def _terminate(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds train(), which stops the worker and the server
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Linux: have the kernel signal this process when its parent dies, so a killed trainer
+    never leaves a server or a worker behind (a no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
 class TrainOutput(NamedTuple):
@@ -163,7 +178,8 @@ class AsyncGRPOTrainer:
         if self.args.embedded_server_max_model_len:
             command += ["--max-model-len", str(self.args.embedded_server_max_model_len)]
         self.server_log = open(log_path, "w")  # noqa: SIM115 (closed by _stop_server)
-        self.server = subprocess.Popen(command, stdout=self.server_log, stderr=subprocess.STDOUT)
+        self.server = subprocess.Popen(command, stdout=self.server_log, stderr=subprocess.STDOUT,
+                                       preexec_fn=die_with_parent)  # noqa: PLW1509 (a prctl)
         started = time.monotonic()
         while not port_file.exists():
             if self.server.poll() is not None:
@@ -282,7 +298,8 @@ class AsyncGRPOTrainer:
         previous = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the child inherits it at spawn
         try:
-            self.worker = context.Process(target=run_rollout_loop, args=(self.loop_cls, kwargs),
+            self.worker = context.Process(target=run_rollout_loop,
+                                          args=(self.loop_cls, kwargs, os.getpid()),
                                           name="rollout-worker", daemon=True)
             self.worker.start()
         finally:
@@ -491,6 +508,9 @@ class AsyncGRPOTrainer:
         self.pending, self.carry = collections.deque(), None
         self.window, self.wait_s = MetricsWindow(), 0.0
         self.worker = None
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _terminate)
         try:
             self._start_server()
             self.admin = ServerAdmin(self.base_url, args.vllm_server_timeout)
@@ -504,12 +524,16 @@ class AsyncGRPOTrainer:
             self._sync(version)  # cold sync: the server serves this policy before any rollout
             self._spawn_worker(self.cursor, sorted(self.done))
             self._loop()
+            if self.failed.is_set():  # e.g. every position arrived filtered, then it raised
+                raise RuntimeError(self._worker_failure())
             final = self.output_dir / f"checkpoint-{self.global_step}"
             if args.save_strategy != "no" and not final.exists():
                 self._save_checkpoint()
         finally:
             self._stop_worker()
             self._stop_server()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         mean_loss = self.loss_sum / max(1, self.global_step)
         return TrainOutput(self.global_step, mean_loss, {"train_loss": mean_loss})
 
