@@ -265,6 +265,12 @@ BAD_INPUTS = {
                                          "checkpoints are preserved"),
     "labels visible to generation": (None, ["generate_ppo", "--config", "configs/ci.yaml"],
                                      "generation can see"),
+    "GRPO from a corrupted SFT checkpoint": ("assets/checkpoints/sft-final.safetensors",
+                                             ["grpo_verifier", "--config", "configs/ci.yaml"],
+                                             "does not match the sha256"),
+    "GRPO with an invalid group size": (None, ["grpo_learned", "--config-json",
+                                               '{"grpo": {"num_generations": 1}}'],
+                                        "grpo.num_generations"),
 }
 
 

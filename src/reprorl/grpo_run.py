@@ -97,13 +97,15 @@ def train(config: dict, run: str, log=print) -> dict:
     settings, limits = dict(config["grpo"]), config["limits"]
     cut_penalty, server_url = settings.pop("cut_penalty"), settings.pop("vllm_server_base_url")
     output_dir = Path(f"assets/grpo/{run}")
-    shutil.rmtree(output_dir, ignore_errors=True)  # a rule re-run starts afresh
     tokenizer = load_tokenizer(config["model"]["path"])
     rows = dataset(run)
     reward = (RubricVerifier(tokenizer.eos_token_id) if run == "verifier"
               else LearnedReward(config, cut_penalty))
+    if run == "learned":  # checked here, so a bad reward checkpoint fails before anything
+        roles.load_final("reward", "reward", config)
     actor, sft_meta = roles.load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
+    shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
     args = AsyncGRPOConfig(

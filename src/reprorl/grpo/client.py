@@ -111,7 +111,7 @@ class CompletionClient:
                         if response.status != 200:
                             raise ServerRequestError(
                                 f"the generation server refused a request (HTTP "
-                                f"{response.status}): {text[:500]}")
+                                f"{response.status}): {text[:500]}", response.status)
                         import json
 
                         return parse_completion(json.loads(text)), retries
@@ -147,6 +147,10 @@ class CompletionClient:
 
 class ServerRequestError(RuntimeError):
     """The server answered 4xx: the request is wrong, retrying cannot help."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class ServerDownError(RuntimeError):

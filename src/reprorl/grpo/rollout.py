@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from .client import CompletionClient
+from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
@@ -240,12 +240,19 @@ class AsyncRolloutLoop:
         self.request_number += 1
         seed = (self.config.seed * 1_000_003 + self.request_number) % (2**31 - 1)
         top = self.config.num_sampler_logprobs if self.config.score_centering else 0
-        reply, retries = await self.client.complete(
-            model=_MODEL.get(self.model_name), prompt_ids=prompt_ids,
-            max_tokens=self.config.max_completion_length,
-            temperature=self.config.temperature, seed=seed, logprobs=top)
-        if retries:
-            self.record("rollout/vllm_retry_count", retries)
+        settings = {"prompt_ids": prompt_ids, "max_tokens": self.config.max_completion_length,
+                    "temperature": self.config.temperature, "seed": seed, "logprobs": top}
+        model = _MODEL.get(self.model_name)
+        try:
+            reply, retries = await self.client.complete(model=model, **settings)
+        except ServerRequestError as error:
+            # the group's adapter left the live window (max_staleness 0) before this request
+            # got through: sample under the current one; the group keeps its older version,
+            # so the trainer's staleness rule still judges it conservatively
+            if error.status != 404 or self.lora_name is None or model == self.served_name():
+                raise
+            reply, retries = await self.client.complete(model=self.served_name(), **settings)
+        self.record("rollout/vllm_retry_count", retries)  # 0s too: the metric is always there
         return TurnRecord(prompt_ids, reply.token_ids, reply.logprobs,
                           output_sampler_logprobs=reply.top_logprobs if top else None,
                           finish_reason=reply.finish_reason)

@@ -278,8 +278,9 @@ class AsyncGRPOTrainer:
         self.exception_queue = context.Queue()
         self.failed = context.Event()
         self.stop_event = context.Event()
-        self.heartbeat = context.Value("d", time.time())
-        self.allowance = context.Value("d", float(
+        # single-writer values without a lock: a worker killed mid-access cannot hang us
+        self.heartbeat = context.RawValue("d", time.time())
+        self.allowance = context.RawValue("d", float(
             max(self.args.max_staleness, 1) * self.args.gradient_accumulation_steps
             * self.token_budget))  # before the first step: full rows
         self.queued_tokens = context.Value("q", 0)
@@ -298,10 +299,11 @@ class AsyncGRPOTrainer:
         previous = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the child inherits it at spawn
         try:
-            self.worker = context.Process(target=run_rollout_loop,
-                                          args=(self.loop_cls, kwargs, os.getpid()),
-                                          name="rollout-worker", daemon=True)
-            self.worker.start()
+            worker = context.Process(target=run_rollout_loop,
+                                     args=(self.loop_cls, kwargs, os.getpid()),
+                                     name="rollout-worker", daemon=True)
+            worker.start()  # set on self only once started: _stop_worker joins it
+            self.worker = worker
         finally:
             if previous is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -373,13 +375,15 @@ class AsyncGRPOTrainer:
 
     def _next_sample(self):
         while True:
-            if self.carry is not None:
-                sample, self.carry = self.carry, None
-                return sample
+            if self.carry is not None:  # checked again: a step and a sync may have passed
+                self.pending.appendleft(self.carry)
+                self.carry = None
             while self.pending:
                 sample = self.pending.popleft()
-                if is_stale(self.version.value, sample.model_version, self.args.max_staleness):
-                    self.window.add("sample/dropped_stale_count", 1)
+                stale = is_stale(self.version.value, sample.model_version,
+                                 self.args.max_staleness)
+                self.window.add("sample/dropped_stale_count", int(stale))  # 0s: always logged
+                if stale:
                     self._release_tokens(sample)
                     self._resolve(sample.position)
                     continue
@@ -401,21 +405,27 @@ class AsyncGRPOTrainer:
     def _microbatch(self) -> list:
         samples = []
         while True:
+            if len(samples) >= self.batcher.max_samples:
+                return samples  # full: waiting for one more group could not change it
             sample = self._next_sample()
             if sample is None:
                 return samples
-            if self.batcher.oversize(sample):
+            oversize = self.batcher.oversize(sample)
+            self.window.add("batch/dropped_oversize_count", int(oversize))
+            if oversize:
                 logger.warning("dropping a sample of %d tokens: over token_budget=%d",
                                sample.tokens, self.token_budget)
                 self.log(f"warning: dropped a {sample.tokens}-token sample (token_budget "
                          f"{self.token_budget})")
-                self.window.add("batch/dropped_oversize_count", 1)
                 self._release_tokens(sample)
                 self._resolve(sample.position)
                 continue
             if not self.batcher.fits(samples, sample):
                 self.carry = sample
                 return samples
+            # Taken: no longer queued. Released now, not after the step, or a step that holds
+            # the whole allowance would wait for a group the worker may not start.
+            self._release_tokens(sample)
             samples.append(sample)
 
     # ------------------------------------------------------------ the loss
@@ -503,7 +513,7 @@ class AsyncGRPOTrainer:
             self.log(f"resumed from {checkpoint}: step {self.global_step}, next prompt "
                      f"{self.cursor}, version {version}")
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl", resume=resumed)
-        self.version = mp.get_context("spawn").Value("q", version)
+        self.version = mp.get_context("spawn").RawValue("q", version)  # trainer writes
         self.live_versions: collections.deque = collections.deque()
         self.pending, self.carry = collections.deque(), None
         self.window, self.wait_s = MetricsWindow(), 0.0
@@ -530,8 +540,10 @@ class AsyncGRPOTrainer:
             if args.save_strategy != "no" and not final.exists():
                 self._save_checkpoint()
         finally:
-            self._stop_worker()
-            self._stop_server()
+            try:
+                self._stop_worker()
+            finally:
+                self._stop_server()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
         mean_loss = self.loss_sum / max(1, self.global_step)
@@ -581,7 +593,6 @@ class AsyncGRPOTrainer:
             self.global_step += 1
             self.loss_sum += loss_total
             for sample in samples_in_step:
-                self._release_tokens(sample)
                 self._resolve(sample.position)
             self.allowance.value = float(max(args.max_staleness, 1) * consumed)
             sync_s = 0.0

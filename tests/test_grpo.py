@@ -1,0 +1,468 @@
+"""The async GRPO engine end to end, with real processes: the trainer (this process), the
+spawned rollout worker and the embedded generation server (`python -m reprorl.grpo.server`).
+
+Nothing stands in for the server or the worker. Reward functions, rollout-loop and config
+subclasses are defined at module level because the worker is a spawned process that imports
+them from this module. Each run is a few optimizer steps on the tiny model of `conftest.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from reprorl import lora
+from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
+from reprorl.grpo.rollout import epoch_order
+
+BASE = {"embedded_server": True, "embedded_server_max_model_len": 128,
+        "max_completion_length": 8, "num_generations": 4, "per_device_train_batch_size": 8,
+        "token_budget": 512, "learning_rate": 1e-3, "logging_steps": 1, "disable_tqdm": True,
+        "vllm_server_timeout": 60.0, "rollout_worker_timeout": 60.0}
+SEED_METRICS = (
+    "reward", "reward_kept", "frac_reward_zero_std", "completions/mean_length",
+    "completions/clipped_ratio", "completions/duplicate_frac",
+    "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean",
+    "sampling/masked_mean", "sampling/sampler_mass", "entropy", "clip_ratio/region_mean",
+    "rollout/duration_s", "rollout/generated_tokens_per_s", "sample/staleness_mean",
+    "sample/time_in_queue_s", "batch/samples_per_step", "perf/step_s", "perf/weight_sync_s",
+    "rollout/vllm_retry_count")
+
+
+# ---------------------------------------------------------------- rewards (module level)
+
+
+def token_sum_reward(completion_ids, **kwargs):
+    """Deterministic and varied within a group, so groups are rarely zero-std."""
+    return [float(sum(ids) % 13) for ids in completion_ids]
+
+
+async def first_token_reward(completion_ids, **kwargs):
+    return [float(ids[0] % 3) if ids else 0.0 for ids in completion_ids]
+
+
+class ParityReward:
+    """A callable instance (named after its type) that scores only rows with a `parity`."""
+
+    def __call__(self, completion_ids, parity, **kwargs):
+        return [None if p is None else float(sum(ids) % 2 == (p == "odd"))
+                for ids, p in zip(completion_ids, parity)]
+
+
+def bad_reward(completions, **kwargs):
+    raise ValueError("no score for this completion")
+
+
+# ---------------------------------------------------------------- loops and configs
+
+
+@dataclass
+class RecordingConfig(AsyncGRPOConfig):
+    record_path: str = ""  # where RecordingLoop appends the positions it is offered
+
+
+class RecordingLoop(AsyncRolloutLoop):
+    """Writes every position `filter_prompt` is offered (epoch * rows + index in the epoch's
+    seeded order) and rejects the last prompt of every epoch."""
+
+    def filter_prompt(self, row_index, row, epoch):
+        rows = len(self.dataset)
+        index = epoch_order(self.config.seed, epoch, rows).index(row_index)
+        with open(self.config.record_path, "a") as handle:
+            handle.write(f"{epoch * rows + index}\n")
+        return index != rows - 1
+
+
+class FailingLoop(AsyncRolloutLoop):
+    """One group of rollouts succeeds, then generate_one raises."""
+
+    calls = 0
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        self.calls += 1
+        if self.calls > self.config.num_generations:
+            raise RuntimeError("boom in worker")
+        return await super().generate_one(prompt, tools, group_id)
+
+
+class RejectAllLoop(AsyncRolloutLoop):
+    def filter_prompt(self, row_index, row, epoch):
+        return False
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def make_args(tmp_path: Path, name: str, cls=AsyncGRPOConfig, **overrides):
+    return cls(output_dir=str(tmp_path / name), **{**BASE, **overrides})
+
+
+def make_rows(count: int, **columns) -> list[dict]:
+    rows = [{"prompt": [{"role": "user", "content": f"question {i}"}]} for i in range(count)]
+    for key, values in columns.items():
+        for row, value in zip(rows, values):
+            row[key] = value
+    return rows
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def total(lines: list[dict], name: str) -> float:
+    return sum(line.get(name) or 0 for line in lines)
+
+
+def assert_stopped(output_dir: Path, trainer) -> None:
+    """After train() returned or raised, neither child process is left running."""
+    assert trainer.worker is None and trainer.server is None
+    port = int((output_dir / "server.port").read_text())
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def adapter_state(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in lora.peft_state(trainer.model).items()}
+
+
+def start_server(model: Path, directory: Path):
+    """A real embedded server in its own process (the test owns it), and its URL."""
+    directory.mkdir(parents=True, exist_ok=True)
+    port_file, log_path = directory / "port", directory / "server.log"
+    log = log_path.open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "reprorl.grpo.server", "--model", str(model), "--port", "0",
+         "--port-file", str(port_file), "--max-model-len", "128"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            log.close()
+            raise AssertionError(log_path.read_text())
+        time.sleep(0.1)
+    return process, log, f"http://127.0.0.1:{int(port_file.read_text())}"
+
+
+# ---------------------------------------------------------------- 1. end to end
+
+
+@pytest.fixture(scope="module")
+def e2e(tiny_model, tmp_path_factory):
+    """One short run shared by the end-to-end tests: a sync, an async and a partial reward,
+    temperature 0.7, max_staleness 1 (two live adapter versions)."""
+    tmp = tmp_path_factory.mktemp("grpo_e2e")
+    args = make_args(tmp, "out", max_steps=3, save_steps=2, max_staleness=1, temperature=0.7)
+    rows = make_rows(4, parity=["odd", None, "even", None])
+    messages: list[str] = []
+    trainer = AsyncGRPOTrainer(model=str(tiny_model),
+                               reward_funcs=[token_sum_reward, first_token_reward,
+                                             ParityReward()],
+                               args=args, train_dataset=rows, log=messages.append)
+    before = adapter_state(trainer)
+    started = time.monotonic()
+    result = trainer.train()
+    return {"trainer": trainer, "result": result, "before": before, "out": Path(args.output_dir),
+            "lines": read_metrics(Path(args.output_dir)), "messages": messages,
+            "seconds": time.monotonic() - started}
+
+
+@pytest.mark.timeout(120)
+def test_run_completes_with_the_seed_metrics(e2e):
+    assert e2e["result"].global_step == 3
+    assert math.isfinite(e2e["result"].training_loss)
+    lines = e2e["lines"]
+    assert [line["step"] for line in lines if "perf/step_s" in line] == [1, 2, 3]
+    present = set().union(*lines)
+    missing = [name for name in SEED_METRICS if name not in present]
+    assert not missing, f"metrics.jsonl lacks {missing}"
+    steps = [line for line in lines if "perf/step_s" in line]
+    assert all(line["batch/samples_per_step"] == 8 for line in steps)
+    assert all(0 < line["sampling/sampler_mass"] <= 1 + 1e-4 for line in steps)
+    assert total(lines, "rollout/vllm_retry_count") == 0  # the server never failed a request
+    assert any(m.startswith("step 3:") for m in e2e["messages"])
+    assert_stopped(e2e["out"], e2e["trainer"])
+
+
+@pytest.mark.timeout(120)
+def test_rewards_sync_async_and_partial(e2e):
+    present = set().union(*e2e["lines"])
+    for name in ("token_sum_reward", "first_token_reward", "ParityReward"):
+        assert f"rewards/{name}/mean" in present
+        values = [line[f"rewards/{name}/mean"] for line in e2e["lines"]
+                  if line.get(f"rewards/{name}/mean") is not None]
+        assert values and all(math.isfinite(v) for v in values)
+    parity = [line["rewards/ParityReward/mean"] for line in e2e["lines"]
+              if line.get("rewards/ParityReward/mean") is not None]
+    assert all(0.0 <= v <= 1.0 for v in parity)  # the None rows stay out of the mean
+
+
+@pytest.mark.timeout(120)
+def test_adapter_changed_and_adapter_cache_is_trimmed(e2e):
+    after = lora.peft_state(e2e["trainer"].model)
+    changed = [k for k, v in e2e["before"].items() if not torch.equal(v, after[k])]
+    assert changed, "three optimizer steps left the LoRA adapter unchanged"
+    cache = e2e["out"] / ".vllm_lora"
+    versions = sorted(p.name for p in cache.iterdir() if re.fullmatch(r"v\d+", p.name))
+    assert versions == ["v2", "v3"]  # max_staleness + 1 live versions, the newest ones
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_hold_adapter_optimizer_and_rollout_state(e2e):
+    out = e2e["out"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    final = out / "checkpoint-3"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    assert (final / "adapter" / "adapter_model.safetensors").is_file()
+    saved = torch.load(final / "trainer_state.pt", weights_only=True)
+    assert saved["global_step"] == 3 and saved["optimizer"]["state"]
+    state = json.loads((final / "rollout_state.json").read_text())
+    assert state["model_version"] == 3 and state["global_step"] == 3
+    assert state["dataset_rows"] == 4
+    cursor, beyond = state["next_prompt_index"], state["consumed_after_cursor"]
+    assert cursor + len(beyond) >= 6  # 3 steps x 8 samples: 6 groups of 4 resolved at least
+    assert all(p > cursor for p in beyond)
+    stored = lora.peft_state(e2e["trainer"].model)
+    from safetensors.torch import load_file
+
+    on_disk = load_file(final / "adapter" / "adapter_model.safetensors")
+    assert all(torch.equal(on_disk[k], stored[k]) for k in stored)
+
+
+@pytest.mark.timeout(120)
+def test_sampler_logprobs_are_the_trainers_at_the_same_temperature(e2e):
+    steps = [line for line in e2e["lines"] if "perf/step_s" in line]
+    first = steps[0]  # version 0 sampled it and version 0 scores it: the same policy
+    assert first["sample/staleness_mean"] == 0
+    assert first["sampling/sampling_logp_difference/mean"] < 1e-4
+    assert abs(first["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+    for line in steps:  # later steps score samples one version old at most
+        assert line["sample/staleness_max"] <= 1
+        assert abs(line["sampling/importance_sampling_ratio/mean"] - 1) < 0.05
+        assert line["sampling/sampling_logp_difference/mean"] < 0.2
+
+
+@pytest.mark.timeout(120)
+def test_synchronous_baseline_trains_only_fresh_samples(tiny_model, tmp_path):
+    """synchronous=True: one step's samples under version v, then v+1. A full micro-batch must
+    not wait for a sample the worker only makes after the next sync."""
+    args = make_args(tmp_path, "out", max_steps=3, synchronous=True)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=lambda message: None)
+    assert trainer.train().global_step == 3
+    steps = [line for line in read_metrics(Path(args.output_dir)) if "perf/step_s" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3]
+    for line in steps:
+        assert line["sample/staleness_max"] == 0 and line["batch/samples_per_step"] == 8
+        assert abs(line["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
+
+
+# ---------------------------------------------------------------- 2. resume and the cursor
+
+
+@pytest.mark.timeout(150)
+def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
+    rows = make_rows(4)
+    out = tmp_path / "out"
+    first_log, second_log = tmp_path / "seen1.txt", tmp_path / "seen2.txt"
+
+    def trainer_for(max_steps, record, messages):
+        args = make_args(tmp_path, "out", RecordingConfig, max_steps=max_steps, save_steps=1,
+                         save_total_limit=2, per_device_train_batch_size=2,
+                         record_path=str(record))
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                   args=args, train_dataset=rows, log=messages.append)
+        trainer.loop_cls = RecordingLoop
+        return trainer
+
+    assert trainer_for(3, first_log, []).train().global_step == 3
+    metrics_after_first = (out / "metrics.jsonl").read_text()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    state = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
+    cursor, consumed = state["next_prompt_index"], state["consumed_after_cursor"]
+    assert state["model_version"] == 3 and state["global_step"] == 3
+    # Position 3 is filtered at once, while positions 1-2 are still being trained two samples
+    # a step: the cursor stays behind it, and it is listed as consumed instead.
+    assert cursor >= 1 and consumed and all(p > cursor for p in consumed)
+    seen_first = [int(x) for x in first_log.read_text().split()]
+    assert set(consumed) <= set(seen_first)
+
+    messages: list[str] = []
+    result = trainer_for(5, second_log, messages).train(resume_from_checkpoint=True)
+    assert result.global_step == 5
+    assert any(f"step 3, next prompt {cursor}, version 3" in m for m in messages), messages
+    seen = [int(x) for x in second_log.read_text().split()]
+    assert seen[0] == cursor, f"resumed worker started at {seen[0]}, cursor {cursor}"
+    assert seen == sorted(seen) and not set(seen) & set(consumed)
+    text = (out / "metrics.jsonl").read_text()
+    assert text.startswith(metrics_after_first), "metrics.jsonl was truncated on resume"
+    new_steps = [json.loads(x)["step"] for x in text[len(metrics_after_first):].splitlines()]
+    assert new_steps and min(new_steps) == 4 and max(new_steps) == 5
+    final = json.loads((out / "checkpoint-5" / "rollout_state.json").read_text())
+    assert final["model_version"] == 5 and final["next_prompt_index"] >= cursor
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
+
+
+@pytest.mark.timeout(120)
+def test_stale_samples_are_dropped_without_pinning_the_cursor(tiny_model, tmp_path):
+    """max_staleness=0 and token_budget=128: a micro-batch holds two 54-token samples, so the
+    third sample of a group waits across the step and its weight sync and is then stale, as
+    is the rest of its group and any group generated meanwhile. They are dropped (never
+    trained), and the one-epoch run (max_steps=-1) still ends, its cursor past every prompt."""
+    args = make_args(tmp_path, "out", max_steps=-1, num_train_epochs=1, max_staleness=0,
+                     token_budget=128)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=lambda message: None)
+    result = trainer.train()
+    lines = read_metrics(Path(args.output_dir))
+    steps = [line for line in lines if "perf/step_s" in line]
+    assert total(lines, "sample/dropped_stale_count") >= 2 * len(steps) > 0
+    assert all(line["sample/staleness_max"] == 0 for line in steps)
+    assert all(line["batch/samples_per_step"] <= 2 for line in steps)
+    final = Path(args.output_dir) / f"checkpoint-{result.global_step}"
+    state = json.loads((final / "rollout_state.json").read_text())
+    assert state["next_prompt_index"] == 4 and state["consumed_after_cursor"] == []
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+# ---------------------------------------------------------------- 3. faults
+
+
+@pytest.mark.timeout(120)
+def test_worker_exception_reaches_the_trainer_with_its_traceback(tiny_model, tmp_path):
+    args = make_args(tmp_path, "out", max_steps=1000)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=lambda message: None)
+    trainer.loop_cls = FailingLoop
+    with pytest.raises(RuntimeError, match="boom in worker") as caught:
+        trainer.train()
+    text = str(caught.value)
+    assert "rollout worker failed" in text and "Traceback" in text and "generate_one" in text
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_is_reported_with_its_exit_code(tiny_model, tmp_path):
+    killed_at: list[float] = []
+    trainer = None
+
+    def log(message):
+        if message.startswith("step 1:") and not killed_at:
+            os.kill(trainer.worker.pid, signal.SIGKILL)
+            killed_at.append(time.monotonic())
+
+    args = make_args(tmp_path, "out", max_steps=1000, rollout_worker_timeout=30.0)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=log)
+    with pytest.raises(RuntimeError, match=r"exited with code -9"):
+        trainer.train()
+    assert killed_at and time.monotonic() - killed_at[0] < args.rollout_worker_timeout
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+@pytest.mark.timeout(150)
+def test_server_down_names_the_server_and_the_retries(tiny_model, tmp_path):
+    server, server_log, url = start_server(tiny_model, tmp_path / "server")
+    try:
+        def log(message):
+            if message.startswith("step 1:") and server.poll() is None:
+                server.kill()
+                server.wait()
+
+        # No weight sync after the cold one: only the worker talks to the server afterwards.
+        args = make_args(tmp_path, "out", embedded_server=False, vllm_server_base_url=url,
+                         vllm_max_retries=2, weight_sync_steps=1000, max_steps=1000)
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                   args=args, train_dataset=make_rows(4), log=log)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="ServerDownError") as caught:
+            trainer.train()
+        assert time.monotonic() - started < 60
+        text = str(caught.value)
+        assert f"the generation server at {url} failed 3 times" in text, text
+        assert "raise vllm_max_retries" in text
+        assert server.returncode == -signal.SIGKILL  # the test's kill, not something else
+        lines = read_metrics(Path(args.output_dir))
+        assert lines[0]["step"] == 1
+        # Recorded per successful request only: the server never came back, so none of them
+        # needed a retry (the failed ones raised instead).
+        assert total(lines, "rollout/vllm_retry_count") == 0
+        assert trainer.worker is None
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        server_log.close()
+
+
+@pytest.mark.timeout(120)
+def test_reward_exception_names_the_function(tiny_model, tmp_path):
+    args = make_args(tmp_path, "out", max_steps=1000)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=[token_sum_reward,
+                                                                     bad_reward],
+                               args=args, train_dataset=make_rows(4), log=lambda message: None)
+    with pytest.raises(RuntimeError, match="reward function 'bad_reward' raised ValueError: "
+                                           "no score for this completion"):
+        trainer.train()
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+def test_lambda_reward_is_refused_before_any_process_starts(tiny_model, tmp_path):
+    args = make_args(tmp_path, "out", max_steps=2)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model),
+                               reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=args, train_dataset=make_rows(2), log=lambda message: None)
+    with pytest.raises(TypeError, match=r"reward function '<lambda>' cannot be pickled"):
+        trainer.train()
+    assert not (Path(args.output_dir) / "server.log").exists()
+    assert getattr(trainer, "worker", None) is None
+
+
+@pytest.mark.timeout(120)
+def test_filter_rejecting_every_prompt_fails_the_run(tiny_model, tmp_path):
+    """Epoch mode: every position arrives as 'filtered', so the trainer's loop ends with no
+    step; the worker's error must still reach train()."""
+    args = make_args(tmp_path, "out", max_steps=-1, num_train_epochs=1)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(3), log=lambda message: None)
+    trainer.loop_cls = RejectAllLoop
+    with pytest.raises(RuntimeError, match="filter_prompt rejected every prompt of epoch 0"):
+        trainer.train()
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+@pytest.mark.timeout(120)
+def test_oversize_samples_are_dropped_with_a_warning(tiny_model, tmp_path, caplog):
+    """token_budget 64: samples of the short prompts (41 prompt tokens + 8 at most) fit, those
+    of the long one (81 prompt tokens) never do; the epoch still ends."""
+    rows = [{"prompt": [{"role": "user", "content": text}]} for text in ("hi", "x" * 40, "yo")]
+    args = make_args(tmp_path, "out", max_steps=-1, num_train_epochs=1, token_budget=64)
+    messages: list[str] = []
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=rows, log=messages.append)
+    with caplog.at_level(logging.WARNING, logger="reprorl.grpo"):
+        result = trainer.train()
+    lines = read_metrics(Path(args.output_dir))
+    dropped = total(lines, "batch/dropped_oversize_count")
+    assert dropped > 0 and result.global_step >= 1
+    warnings = [m for m in messages if m.startswith("warning: dropped a")]
+    assert len(warnings) == dropped
+    assert any("over token_budget=64" in r.getMessage() for r in caplog.records)
+    assert all(line["sample/forwarded_tokens_max"] <= 64 for line in lines
+               if "perf/step_s" in line)
+    state = json.loads((Path(args.output_dir) / f"checkpoint-{result.global_step}"
+                        / "rollout_state.json").read_text())
+    assert state["next_prompt_index"] == 3
