@@ -125,7 +125,8 @@ def train(config: dict, run: str, log=print) -> dict:
     shutil.rmtree(output_dir / ".vllm_lora", ignore_errors=True)  # a serving cache only
     (output_dir / "server.port").unlink(missing_ok=True)
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
+    # windows of training steps only (the closing flush holds a few worker records)
+    records = [r for r in map(json.loads, lines) if r.get("loss") is not None]
     keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
             "sample/staleness_mean", "sample/dropped_stale_count", "completions/mean_length",
             "sampling/importance_sampling_ratio/mean", "sampling/masked_mean",
@@ -138,7 +139,7 @@ def train(config: dict, run: str, log=print) -> dict:
             out[key] = sum(values) / len(values) if values else None
         return out
 
-    tenth = max(1, len(records) // 10)
+    tenth = max(2, len(records) // 10)  # first and last tenth of the windows, two at least
     summary = {
         "run": run, "reward_function": type(reward).__name__, "steps": result.global_step,
         "train_loss": result.training_loss, "seconds": seconds,
