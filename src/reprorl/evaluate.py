@@ -257,7 +257,8 @@ def markdown(results: dict) -> str:
         lines.append(f"| {window.replace('_', ' ')} iterations | "
                      f"{_percent(w['rubric_success_rate'])} | {_percent(w['recognized_rate'])} "
                      f"| {w['mean_reward_model_score']:.3f} |")
-    lines += ["", "## GRPO training (sampled at temperature 1, first / last tenth of the training windows, 2 at least)",
+    lines += ["", ("## GRPO training (sampled at temperature 1; first -> last tenth of the "
+                   "training windows)"),
               "", ("| run | steps | reward | reward kept | frac zero std | mean staleness | "
                    "stale dropped (per window) |"), "|---|---|---|---|---|---|---|"]
     for run, summary in results["grpo_training"].items():
