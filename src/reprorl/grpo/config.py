@@ -132,6 +132,8 @@ class AsyncGRPOConfig:
                      "max_completion_length", "save_steps"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.synchronous and self.weight_sync_steps != 1:
+            problems.append("synchronous=True needs weight_sync_steps=1 (one version per step)")
         if self.max_staleness < 0:
             problems.append("max_staleness must be >= 0")
         if self.score_centering and self.num_sampler_logprobs < 1:

@@ -194,7 +194,8 @@ class AsyncRolloutLoop:
                  heartbeat_value, failed_event, exception_info_queue, metrics_queue,
                  tools=None, environment_factory=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
-                 queued_tokens=None, queued_samples=None, stop_event=None, skip_positions=()):
+                 queued_tokens=None, queued_samples=None, stop_event=None, skip_positions=(),
+                 sync_state=None):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
         self.eos_token_ids = set(eos_token_ids)
@@ -207,6 +208,7 @@ class AsyncRolloutLoop:
         self.lora_name, self.start = lora_name, dataset_start_index
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
         self.stop_event = stop_event
+        self.sync_state = sync_state  # synchronous mode: [batch complete, results put]
         self.skip_positions = set(skip_positions)
         self.request_number = 0
         self.in_flight_groups = 0
@@ -215,6 +217,8 @@ class AsyncRolloutLoop:
         self.cap = config.max_concurrent_rollouts
         self.finished_since_raise = 0
         self.records: list[tuple] = []
+        self.produced_samples = 0
+        self.scoring = False
         self.last_rate_time = time.monotonic()
 
     # ------------------------------------------------------------ hooks
@@ -279,6 +283,11 @@ class AsyncRolloutLoop:
         if self.records:
             self.metrics_queue.put(self.records)
             self.records = []
+
+    def _put(self, result: GroupResult) -> None:
+        self.rollout_buffer.put(result)
+        if self.sync_state is not None:
+            self.sync_state[1] += 1  # results put; the trainer compares with what it got
 
     def served_name(self) -> str:
         if self.lora_name is None:
@@ -371,6 +380,10 @@ class AsyncRolloutLoop:
         while not self.stopping():
             if self.config.synchronous:
                 room = self._sync_room(sync_target)
+                # the batch is complete once nothing is generating or scoring any more
+                idle = (self.in_flight_groups == 0 and self.score_queue.empty()
+                        and not self.scoring)
+                self.sync_state[0] = int(not room and idle)
             else:
                 room = self._room_for_group()
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
@@ -382,27 +395,23 @@ class AsyncRolloutLoop:
             self.record("rollout/backpressure_s", time.monotonic() - waited_from)
 
     def _sync_room(self, state: list) -> bool:
-        """Baseline: fill the queue to one step's samples under version v, then wait until
-        the trainer has stepped and synced v+1. state = [v of the current batch, full]."""
+        """Baseline: emit one step's samples under version v, then wait until the trainer has
+        stepped and synced v+1. state = [v, samples produced when the batch started]; dropped
+        groups do not count, leftovers of the last batch are extra (trained at staleness 1)."""
         per_step = self.config.per_device_train_batch_size * (
             self.config.gradient_accumulation_steps)
         version = self.model_version.value
-        if state[0] is None or (state[1] and version > state[0]):
-            state[0], state[1] = version, False
-        if state[1]:
-            return False
-        queued = self.queued_samples.value + self.in_flight_groups * self.config.num_generations
-        if queued >= per_step:
-            state[1] = True
-            return False
-        return True
+        if state[0] is None or version > state[0]:
+            state[0], state[1] = version, self.produced_samples
+        in_batch = self.produced_samples - state[1]
+        return in_batch + self.in_flight_groups * self.config.num_generations < per_step
 
     async def _produce(self) -> None:
         rows = len(self.dataset)
         end = None
         if self.config.max_steps <= 0:
             end = math.ceil(self.config.num_train_epochs * rows)
-        position, accepted_in_epoch, sync_state = self.start, 0, [None, False]
+        position, accepted_in_epoch, sync_state = self.start, 0, [None, 0]
         group_id, tasks = 0, set()
         while not self.stopping() and (end is None or position < end):
             epoch, index = divmod(position, rows)
@@ -424,7 +433,7 @@ class AsyncRolloutLoop:
                 task.add_done_callback(tasks.discard)
                 group_id += 1
             else:
-                self.rollout_buffer.put(GroupResult(position, [], "filtered"))
+                self._put(GroupResult(position, [], "filtered"))
             if index == rows - 1 and accepted_in_epoch == 0:
                 raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no "
                                    "sample can reach the trainer; loosen the filter")
@@ -453,10 +462,10 @@ class AsyncRolloutLoop:
             await self.score_queue.put(group)
             self.record("rollout/score_block_s", time.monotonic() - put_started)
         except Exception as error:  # noqa: BLE001 (no one awaits this task: run() re-raises)
+            self.in_flight_groups -= 1  # a scored group leaves the count in _score
             if not self.crashed.done():
                 self.crashed.set_exception(error)
         finally:
-            self.in_flight_groups -= 1
             _MODEL.reset(token)
 
     async def _one(self, prompt: list[dict], group_id: int) -> Rollout:
@@ -497,6 +506,7 @@ class AsyncRolloutLoop:
     async def _score(self) -> None:
         while True:
             group = await self.score_queue.get()
+            self.scoring = True
             try:
                 self.record("rollout/score_queue_size", self.score_queue.qsize())
                 self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
@@ -505,6 +515,8 @@ class AsyncRolloutLoop:
                 self.record("rollout/score_s", time.monotonic() - started)
                 self._emit(group)
             finally:
+                self.scoring = False
+                self.in_flight_groups -= 1  # generated and scored: its samples are queued
                 self.score_queue.task_done()
 
     async def _call_reward(self, func, group: RolloutGroup) -> list:
@@ -554,7 +566,7 @@ class AsyncRolloutLoop:
         if dropped:
             for value in rewards[~np.isnan(rewards)]:
                 self.record("reward_dropped", value)
-            self.rollout_buffer.put(GroupResult(group.position, [], "zero_std"))
+            self._put(GroupResult(group.position, [], "zero_std"))
             return
         scored = rewards[~np.isnan(rewards)]
         group_std = float(scored.std(ddof=1))
@@ -579,7 +591,8 @@ class AsyncRolloutLoop:
             self.queued_tokens.value += sum(s.tokens for s in samples)
         with self.queued_samples.get_lock():
             self.queued_samples.value += len(samples)
-        self.rollout_buffer.put(GroupResult(group.position, samples))
+        self.produced_samples += len(samples)
+        self._put(GroupResult(group.position, samples))
 
 
 def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None) -> None:

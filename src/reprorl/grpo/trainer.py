@@ -285,6 +285,8 @@ class AsyncGRPOTrainer:
             * self.token_budget))  # before the first step: full rows
         self.queued_tokens = context.Value("q", 0)
         self.queued_samples = context.Value("q", 0)
+        self.sync_state = context.RawArray("q", 2)  # worker writes: [batch complete, results]
+        self.received = 0
         kwargs = {
             "config": self.args, "model_name": self.model_path, "dataset": self.rows,
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
@@ -294,6 +296,7 @@ class AsyncGRPOTrainer:
             "exception_info_queue": self.exception_queue, "metrics_queue": self.metrics_queue,
             "lora_name": self.lora_name, "dataset_start_index": start,
             "queued_tokens": self.queued_tokens, "queued_samples": self.queued_samples,
+            "sync_state": self.sync_state if self.args.synchronous else None,
             "stop_event": self.stop_event,
             "skip_positions": skip}
         previous = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -346,12 +349,19 @@ class AsyncGRPOTrainer:
     def _next_group(self) -> GroupResult | None:
         while True:
             if self.end is not None and self.cursor >= self.end:
+                self.exhausted = True
                 return None
             try:
-                return self.buffer.get(timeout=0.05)
+                group = self.buffer.get(timeout=0.05)
+                self.received += 1
+                return group
             except queue.Empty:
                 if self.end is not None and self._all_arrived():
+                    self.exhausted = True
                     return None  # the epoch's last groups are all here: train what is left
+                if self.args.synchronous and self.sync_state[0] and (
+                        self.received == self.sync_state[1]):
+                    return None  # baseline: the worker's batch is all here, train on it
                 failure = self._worker_failure()
                 if failure:
                     raise RuntimeError(failure)
@@ -515,7 +525,7 @@ class AsyncGRPOTrainer:
         self.metrics_log = MetricsLog(self.output_dir / "metrics.jsonl", resume=resumed)
         self.version = mp.get_context("spawn").RawValue("q", version)  # trainer writes
         self.live_versions: collections.deque = collections.deque()
-        self.pending, self.carry = collections.deque(), None
+        self.pending, self.carry, self.exhausted = collections.deque(), None, False
         self.window, self.wait_s = MetricsWindow(), 0.0
         self.worker = None
         previous = None
@@ -581,7 +591,10 @@ class AsyncGRPOTrainer:
                 self._record_batch(samples, batch)
                 samples_in_step += samples
             if not samples_in_step:
-                break  # every prompt of the last epoch has been consumed
+                if self.exhausted:
+                    break  # every prompt of the last epoch has been consumed
+                time.sleep(0.01)  # synchronous baseline: the worker is starting the next batch
+                continue
             t0 = time.monotonic()
             for group in self.optimizer.param_groups:
                 group["lr"] = self._learning_rate(self.global_step)
