@@ -76,8 +76,14 @@ def main() -> None:
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--reward", choices=("verifier", "learned"), default="verifier")
+    parser.add_argument("--trainer-threads", type=int, default=1,
+                        help="torch threads of the trainer (the embedded server has 1); with 1 "
+                             "the two sides of the async arm each own a core on 2 cores")
     args = parser.parse_args()
     config = configuration.load(args.config)
+    import torch
+
+    torch.set_num_threads(args.trainer_threads)
     workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     try:
         sync = arm(config, True, args.steps, workdir, args.reward)

@@ -113,6 +113,10 @@ def train(config: dict, run: str, log=print) -> dict:
         dtype=config["model"]["dtype"],
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
+    # the rule's cores are shared: the embedded server takes its threads, the trainer the rest
+    # (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is slower, 0.92x)
+    if args.embedded_server:
+        torch.set_num_threads(max(1, torch.get_num_threads() - args.embedded_server_threads))
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)
     started = time.perf_counter()
     result = trainer.train()
