@@ -81,8 +81,12 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
         "ppo_sampled_responses": {w: {"rubric_success_rate": 0.5, "recognized_rate": 1.0,
                                       "mean_reward_model_score": 0.2}
                                   for w in ("first_10", "last_10")},
+        "grpo_training": {"verifier": {
+            "steps": 3, "first_windows": {"reward": 0.25, "sample/staleness_mean": 1.0},
+            "last_windows": {"reward": 0.75, "sample/staleness_mean": None}}},
         "stage_timings": {"prepare": {"wall_seconds": 1.0, "peak_rss_mb": 100.0}},
     }
     text = evaluate.markdown(results)
     assert "predicted simulated preference" in text and "no human study" in text
     assert "| sft | test_rows | 2 | 50.0 % |" in text
+    assert "| verifier | 3 | 0.25 -> 0.75 | n/a -> n/a | n/a -> n/a | 1 -> n/a |" in text
