@@ -101,8 +101,8 @@ def train(config: dict, run: str, log=print) -> dict:
     rows = dataset(run)
     reward = (RubricVerifier(tokenizer.eos_token_id) if run == "verifier"
               else LearnedReward(config, cut_penalty))
-    if run == "learned":  # checked here, so a bad reward checkpoint fails before anything
-        roles.load_final("reward", "reward", config)
+    if run == "learned":  # the worker loads it; checked here so a bad file fails first
+        roles.verified_final("reward")
     actor, sft_meta = roles.load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
     shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh

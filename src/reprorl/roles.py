@@ -229,14 +229,20 @@ def save_final(role, name: str, run_identity: dict, config: dict) -> None:
                          config["model"]["path"], LORA_RANK, LORA_ALPHA)
 
 
-def load_final(name: str, kind: str, config: dict, adapters_only: bool = False):
-    """A role built from a final export, after checking the file against its manifest."""
-    from safetensors.torch import load_file
-
+def verified_final(name: str) -> tuple[Path, dict]:
+    """A final export's path and manifest, after checking the file's sha256 against it."""
     path = CHECKPOINTS / f"{name}-final.safetensors"
     meta = read_json(path.with_suffix(".json"))
     if sha256_file(path) != meta["sha256"]:
         raise ReproError(f"{path} does not match the sha256 in {path.with_suffix('.json')}: "
                          "the checkpoint is corrupted; rerun the resume branch")
+    return path, meta
+
+
+def load_final(name: str, kind: str, config: dict, adapters_only: bool = False):
+    """A role built from a final export, after checking the file against its manifest."""
+    from safetensors.torch import load_file
+
+    path, meta = verified_final(name)
     role = build(kind, config["model"], learned=load_file(path), adapters_only=adapters_only)
     return role, meta

@@ -19,6 +19,7 @@ a resumed worker neither skips nor replays a prompt.
 from __future__ import annotations
 
 import collections
+import io
 import logging
 import math
 import multiprocessing as mp
@@ -235,8 +236,6 @@ class AsyncGRPOTrainer:
         with atomic_directory(directory) as scratch:
             lora.export_peft(self.model, scratch / "adapter", self.model_path, self.rank,
                              self.alpha)
-            import io
-
             buffer = io.BytesIO()
             torch.save({"optimizer": self.optimizer.state_dict(),
                         "global_step": self.global_step, "num_tokens": self.num_tokens,
@@ -618,8 +617,8 @@ class AsyncGRPOTrainer:
             w.add("grad_norm", float(grad_norm))
             w.add("learning_rate", self.optimizer.param_groups[0]["lr"])
             w.add("batch/forwarded_tokens_per_step", forwarded)
-            w.add("batch/trained_tokens_per_step",
-                  sum(sum(s.sequence.trained) for s in samples_in_step))
+            trained_tokens = sum(sum(s.sequence.trained) for s in samples_in_step)
+            w.add("batch/trained_tokens_per_step", trained_tokens)
             w.add("batch/samples_per_step", len(samples_in_step))
             w.add("batch/groups_per_step", len({s.position for s in samples_in_step}))
             w.add("batch/microbatches_per_step", microbatches)
@@ -630,8 +629,7 @@ class AsyncGRPOTrainer:
             w.add("perf/rollout_wait_s", self.wait_s)
             w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd)
             w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
-            w.add_rate("perf/wall_clock_trained_tokens_per_s",
-                       sum(sum(s.sequence.trained) for s in samples_in_step), step_s)
+            w.add_rate("perf/wall_clock_trained_tokens_per_s", trained_tokens, step_s)
             if self.global_step % args.logging_steps == 0:
                 self._log_window(samples_in_step)
             if args.save_strategy == "steps" and self.global_step % args.save_steps == 0:
