@@ -39,7 +39,15 @@ SEED_METRICS = (
     "sampling/masked_mean", "sampling/sampler_mass", "entropy", "clip_ratio/region_mean",
     "rollout/duration_s", "rollout/generated_tokens_per_s", "sample/staleness_mean",
     "sample/time_in_queue_s", "batch/samples_per_step", "perf/step_s", "perf/weight_sync_s",
-    "rollout/vllm_retry_count")
+    "rollout/vllm_retry_count", "rollout/queue_size", "rollout/concurrency",
+    "rollout/concurrency_cap", "rollout/samples_per_rollout", "rollout/score_s",
+    "reward_group_std", "rewards/token_sum_reward/mean", "completions/min_length",
+    "completions/max_length", "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/max", "sampling/sampling_logp_difference/max",
+    "clip_ratio/low_mean", "clip_ratio/high_max", "sample/staleness_max",
+    "sample/dropped_stale_count", "batch/row_imbalance", "batch/trained_tokens_per_step",
+    "batch/dropped_oversize_count", "perf/fwd_bwd_s", "perf/optimizer_s",
+    "perf/rollout_wait_s", "perf/weight_sync_transfer_s")
 
 
 # ---------------------------------------------------------------- rewards (module level)
@@ -80,7 +88,7 @@ class RecordingLoop(AsyncRolloutLoop):
 
     def filter_prompt(self, row_index, row, epoch):
         rows = len(self.dataset)
-        index = epoch_order(self.config.seed, epoch, rows).index(row_index)
+        index = epoch_order(self.config.data_order_seed, epoch, rows).index(row_index)
         with open(self.config.record_path, "a") as handle:
             handle.write(f"{epoch * rows + index}\n")
         return index != rows - 1
@@ -277,7 +285,7 @@ def test_synchronous_baseline_trains_only_fresh_samples(tiny_model, tmp_path):
 def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
     rows = make_rows(4)
     out = tmp_path / "out"
-    first_log, second_log = tmp_path / "seen1.txt", tmp_path / "seen2.txt"
+    record = tmp_path / "seen.txt"  # the same path in both runs: it is part of the settings
 
     def trainer_for(max_steps, record, messages):
         args = make_args(tmp_path, "out", RecordingConfig, max_steps=max_steps, save_steps=1,
@@ -288,7 +296,7 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
         trainer.loop_cls = RecordingLoop
         return trainer
 
-    assert trainer_for(3, first_log, []).train().global_step == 3
+    assert trainer_for(3, record, []).train().global_step == 3
     metrics_after_first = (out / "metrics.jsonl").read_text()
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     state = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
@@ -297,14 +305,15 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
     # Position 3 is filtered at once, while positions 1-2 are still being trained two samples
     # a step: the cursor stays behind it, and it is listed as consumed instead.
     assert cursor >= 1 and consumed and all(p > cursor for p in consumed)
-    seen_first = [int(x) for x in first_log.read_text().split()]
+    seen_first = [int(x) for x in record.read_text().split()]
     assert set(consumed) <= set(seen_first)
+    record.unlink()
 
     messages: list[str] = []
-    result = trainer_for(5, second_log, messages).train(resume_from_checkpoint=True)
+    result = trainer_for(5, record, messages).train(resume_from_checkpoint=True)
     assert result.global_step == 5
     assert any(f"step 3, next prompt {cursor}, version 3" in m for m in messages), messages
-    seen = [int(x) for x in second_log.read_text().split()]
+    seen = [int(x) for x in record.read_text().split()]
     assert seen[0] == cursor, f"resumed worker started at {seen[0]}, cursor {cursor}"
     assert seen == sorted(seen) and not set(seen) & set(consumed)
     text = (out / "metrics.jsonl").read_text()
@@ -314,6 +323,16 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
     final = json.loads((out / "checkpoint-5" / "rollout_state.json").read_text())
     assert final["model_version"] == 5 and final["next_prompt_index"] >= cursor
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5"]
+    # other settings or other prompts: refused before any process starts, nothing written
+    changed = trainer_for(6, record, [])
+    changed.args.learning_rate = 2e-3
+    with pytest.raises(ValueError, match=r"other settings \(learning_rate: 0.001 -> 0.002\)"):
+        changed.train(resume_from_checkpoint=True)
+    other_rows = trainer_for(6, record, [])
+    other_rows.rows = make_rows(4)[::-1]
+    with pytest.raises(ValueError, match="trained on other prompts"):
+        other_rows.train(resume_from_checkpoint=True)
+    assert (out / "metrics.jsonl").read_text() == text
 
 
 @pytest.mark.timeout(120)

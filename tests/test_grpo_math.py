@@ -25,6 +25,8 @@ from reprorl.grpo.rollout import (
     TurnRecord,
     has_room,
     is_stale,
+    reconcile_turns,
+    request_seed,
     training_sequences,
 )
 
@@ -196,6 +198,16 @@ def test_turns_continue_or_fork_into_training_sequences():
     assert [s.input_ids for s in sequences] == [[1, 2, 3, 4, 9, 5], [1, 7, 8]]
     assert sequences[0].trained == [0, 0, 1, 1, 0, 1]
     assert sequences[0].sampler_logprobs == [0, 0, -0.1, -0.2, 0, -0.3]
+    # one drift per transition: 0 for the continuation; the fork keeps [1] and re-renders the
+    # 5 retained tokens after it
+    assert reconcile_turns([first, follow, fork])[1] == [0, 5]
+    assert reconcile_turns([first])[1] == []
+
+
+def test_request_seeds_depend_on_the_rollout_not_on_a_counter():
+    seeds = {request_seed(42, key, n) for key in range(50) for n in (1, 2)}
+    assert len(seeds) == 100 and all(0 <= s < 2**31 - 1 for s in seeds)
+    assert request_seed(42, 7, 1) == request_seed(42, 7, 1) != request_seed(43, 7, 1)
 
 
 def _sample(tokens: int, trained: int = 2) -> Sample:
@@ -230,3 +242,12 @@ def test_config_defaults_and_refusals():
         AsyncGRPOConfig(top_p=0.9)
     with pytest.raises(ValueError, match="max_steps"):
         AsyncGRPOConfig(lr_scheduler_type="linear")
+    assert (config.gradient_checkpointing, config.bf16, config.ignore_data_skip, config.optim,
+            config.train_sampling_strategy, config.disable_tqdm, config.dtype) == (
+        True, None, True, "adamw_torch_fused", "random", None, "float32")
+    assert AsyncGRPOConfig(max_steps=10, logging_steps=0.25).logging_steps == 3
+    assert AsyncGRPOConfig(chat_template_kwargs='{"x": 1}').chat_template_kwargs == {"x": 1}
+    for bad, match in (({"ignore_data_skip": False}, "replay"), ({"dtype": "fp8"}, "dtype"),
+                       ({"save_steps": 0.5}, "fraction of max_steps")):
+        with pytest.raises(ValueError, match=match):
+            AsyncGRPOConfig(**bad)

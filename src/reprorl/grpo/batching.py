@@ -34,6 +34,12 @@ class MicroBatch:
     def real_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    @property
+    def row_attention_costs(self) -> list[int]:
+        """Attention cost of each row, length squared: a padded row forwards its pads too."""
+        rows, length = self.input_ids.shape
+        return [length * length] * rows
+
 
 class PaddedBatcher:
     def __init__(self, token_budget: int, max_samples: int, top_k: int, pad_id: int):

@@ -1,14 +1,23 @@
 """`AsyncGRPOConfig`: the seed's field names and defaults, each with a one-line help.
 
 Only the fields this engine reads are declared (TRL's class also carries every
-`TrainingArguments` field). Additions of ours, not in the seed, are grouped at the end:
-`embedded_server*` (start the CPU server shipped here), `synchronous` (the benchmark's
-baseline), `vllm_max_retries` and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
+`TrainingArguments` field). Left out on purpose: the multi-device fields
+(`average_tokens_across_devices`, DDP/FSDP), MoE's `router_aux_loss_coef`, evaluation, hub and
+`report_to` (metrics go to JSONL and the console), `lr_scheduler_kwargs` (the two schedules
+here take none). Departures: `bf16=None` means "mixed precision on a CUDA trainer", which this
+CPU engine never is (the seed turns bf16 on unless fp16); `ignore_data_skip` can only be True,
+as in the seed. Additions of ours, grouped at the end: `embedded_server*` (start the CPU
+server shipped here), `synchronous` (the benchmark's baseline), `vllm_max_retries` and
+`lora_rank` / `lora_alpha` (a fresh adapter's shape).
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, dataclass, field, fields
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -34,18 +43,36 @@ class AsyncGRPOConfig:
     adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
     adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
     max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
-    logging_steps: int = field(default=1, metadata={
-        "help": "Optimizer steps per metrics window (JSONL line and console line)."})
-    save_steps: int = field(default=500, metadata={"help": "Optimizer steps between checkpoints."})
+    logging_steps: float = field(default=1, metadata={
+        "help": "Optimizer steps per metrics window (< 1: a fraction of max_steps)."})
+    save_steps: float = field(default=500, metadata={
+        "help": "Optimizer steps between checkpoints (< 1: a fraction of max_steps)."})
     save_strategy: str = field(default="steps", metadata={
         "help": "'steps' or 'no' (then only the final adapter is written)."})
     save_total_limit: int | None = field(default=None, metadata={
         "help": "Keep at most this many checkpoints (oldest deleted first)."})
     seed: int = field(default=42, metadata={
         "help": "Seeds the trainer and every sampling request (seed + request number)."})
+    data_seed: int | None = field(default=None, metadata={
+        "help": "Seeds the order of the prompts (None: seed)."})
+    train_sampling_strategy: str = field(default="random", metadata={
+        "help": "'random' (a seeded shuffle per epoch) or 'sequential' (dataset order)."})
+    optim: str = field(default="adamw_torch_fused", metadata={
+        "help": "'adamw_torch_fused' or 'adamw_torch' (the same AdamW, fused kernel or not)."})
+    gradient_checkpointing: bool = field(default=True, metadata={
+        "help": "Recompute the policy's activations in the backward pass to save memory."})
+    bf16: bool | None = field(default=None, metadata={
+        "help": "Autocast forward/backward to bfloat16 (None: only on a CUDA trainer)."})
+    ignore_data_skip: bool = field(default=True, metadata={
+        "help": "Always True: a resume continues from rollout_state.json, never replays."})
     dtype: str = field(default="float32", metadata={
-        "help": "Dtype the policy is loaded in: 'float32' or 'bfloat16'."})
-    disable_tqdm: bool = field(default=False, metadata={"help": "Hide the progress bar."})
+        "help": "Dtype the policy is loaded in: 'auto', 'float32', 'bfloat16' or 'float16'."})
+    model_init_kwargs: dict | None = field(default=None, metadata={
+        "help": "Keyword arguments for from_pretrained when the model is given as a path."})
+    trust_remote_code: bool = field(default=False, metadata={
+        "help": "Allow custom model code when the model is given as a path."})
+    disable_tqdm: bool | None = field(default=None, metadata={
+        "help": "Hide the progress bar (None: shown)."})
     # ---- generation
     num_generations: int = field(default=8, metadata={"help": "Rollouts per prompt (a group)."})
     max_completion_length: int = field(default=2048, metadata={
@@ -55,8 +82,8 @@ class AsyncGRPOConfig:
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling (only 1.0 here)."})
     top_k: int = field(default=0, metadata={"help": "Top-k sampling (only 0 here)."})
     min_p: float | None = field(default=None, metadata={"help": "Min-p sampling (only None)."})
-    chat_template_kwargs: dict | None = field(default=None, metadata={
-        "help": "Extra keyword arguments for apply_chat_template."})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={
+        "help": "Extra keyword arguments for apply_chat_template (a dict or its JSON)."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={
         "help": "Tool-calling turns at most (tools arrive in a later release)."})
     # ---- generation server
@@ -110,7 +137,29 @@ class AsyncGRPOConfig:
     def __post_init__(self):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if isinstance(self.chat_template_kwargs, str):
+            self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         problems = []
+        for name in ("logging_steps", "save_steps"):
+            value = getattr(self, name)
+            if 0 < value < 1:
+                if self.max_steps <= 0:
+                    problems.append(f"{name} < 1 is a fraction of max_steps: set max_steps")
+                else:
+                    setattr(self, name, max(1, math.ceil(value * self.max_steps)))
+            elif value >= 1:
+                setattr(self, name, int(value))
+            else:
+                problems.append(f"{name} must be > 0")
+        if self.dtype not in DTYPES:
+            problems.append(f"dtype must be one of {DTYPES}")
+        if self.train_sampling_strategy not in ("random", "sequential"):
+            problems.append("train_sampling_strategy must be 'random' or 'sequential'")
+        if self.optim not in ("adamw_torch_fused", "adamw_torch"):
+            problems.append("optim must be 'adamw_torch_fused' or 'adamw_torch'")
+        if not self.ignore_data_skip:
+            problems.append("ignore_data_skip=False would replay trained batches: a resume "
+                            "continues from rollout_state.json instead; keep it True")
         if self.top_p != 1.0 or self.top_k not in (0, -1) or self.min_p not in (None, 0.0):
             problems.append("top_p/top_k/min_p truncation needs the sampling-mask path, not "
                             "built yet: keep top_p=1.0, top_k=0, min_p=None")
@@ -128,8 +177,7 @@ class AsyncGRPOConfig:
             problems.append("a linear schedule needs max_steps > 0 (the step count of an "
                             "epoch is not known in advance)")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                     "logging_steps", "weight_sync_steps", "max_concurrent_rollouts",
-                     "max_completion_length", "save_steps"):
+                     "weight_sync_steps", "max_concurrent_rollouts", "max_completion_length"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         if self.synchronous and self.weight_sync_steps != 1:
@@ -140,6 +188,10 @@ class AsyncGRPOConfig:
             problems.append("score_centering needs num_sampler_logprobs >= 1")
         if problems:
             raise ValueError("AsyncGRPOConfig: " + "; ".join(problems))
+
+    @property
+    def data_order_seed(self) -> int:
+        return self.seed if self.data_seed is None else self.data_seed
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -60,7 +60,7 @@ class MetricsWindow:
             how = rule(name)
             finite = [v for v in values if not math.isnan(v)]
             if how == "sum":
-                out[name] = sum(values)
+                out[name] = sum(finite)
             elif not finite:
                 out[name] = float("nan")
             elif how == "max":

@@ -42,6 +42,7 @@ from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
+_ROLLOUT = contextvars.ContextVar("rollout")  # [rollout key, requests so far]: request seeds
 
 
 @dataclass
@@ -132,10 +133,15 @@ class GroupResult:
     reason: str = "trained"  # or "filtered", "zero_std"
 
 
-def training_sequences(turns: list[TurnRecord]) -> list[TrainingSequence]:
-    """Turns -> sequences. A turn whose prompt extends the running sequence continues it (the
-    added prompt tokens are context); any other turn forks a new sequence."""
+def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int]]:
+    """Turns -> sequences, and the drift of each turn transition.
+
+    A turn whose prompt extends the running sequence continues it (the added prompt tokens are
+    context; drift 0); any other turn forks a new sequence, and its drift is the number of
+    retained tokens after the point where its prompt diverges (what the fork re-renders).
+    """
     sequences: list[TrainingSequence] = []
+    drifts: list[int] = []
     current = None
     for turn in turns:
         n = len(turn.output_ids)
@@ -143,7 +149,15 @@ def training_sequences(turns: list[TurnRecord]) -> list[TrainingSequence]:
         top = turn.output_sampler_logprobs or [None] * n
         if current is not None and turn.prompt_ids[: len(current.input_ids)] == current.input_ids:
             extra = turn.prompt_ids[len(current.input_ids):]
+            drifts.append(0)
         else:
+            if current is not None:
+                shared = 0
+                for a, b in zip(turn.prompt_ids, current.input_ids):
+                    if a != b:
+                        break
+                    shared += 1
+                drifts.append(len(current.input_ids) - shared)
             current = TrainingSequence([], [], [], [])
             sequences.append(current)
             extra = list(turn.prompt_ids)
@@ -151,7 +165,11 @@ def training_sequences(turns: list[TurnRecord]) -> list[TrainingSequence]:
         current.trained += [0] * len(extra) + list(mask)
         current.sampler_logprobs += [0.0] * len(extra) + list(turn.output_log_probs)
         current.sampler_top += [None] * len(extra) + list(top)
-    return [s for s in sequences if any(s.trained)]
+    return [s for s in sequences if any(s.trained)], drifts
+
+
+def training_sequences(turns: list[TurnRecord]) -> list[TrainingSequence]:
+    return reconcile_turns(turns)[0]
 
 
 def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[float],
@@ -171,10 +189,20 @@ def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[flo
 
 
 @functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, epoch: int, rows: int) -> tuple[int, ...]:
-    """The rows of an epoch in a seeded random order (TRL's `train_sampling_strategy="random"`);
-    positions count through it, so a resume cursor names the same prompt in any process."""
+def epoch_order(seed: int, epoch: int, rows: int, shuffle: bool = True) -> tuple[int, ...]:
+    """The rows of an epoch: a seeded random order (`train_sampling_strategy="random"`) or the
+    dataset's (`"sequential"`). Positions count through it, so a resume cursor names the same
+    prompt in any process."""
+    if not shuffle:
+        return tuple(range(rows))
     return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(rows))
+
+
+def request_seed(seed: int, rollout_key: int, request: int) -> int:
+    """The sampling seed of a rollout's n-th request: a function of where the rollout sits in
+    the run, never of a counter, so a resumed run does not repeat the seeds of its start."""
+    return int(np.random.SeedSequence([seed, rollout_key, request]).generate_state(1)[0]
+               % (2**31 - 1))
 
 
 def is_stale(current_version: int, sample_version: int, max_staleness: int) -> bool:
@@ -241,8 +269,12 @@ class AsyncRolloutLoop:
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's settings and a fresh seed."""
-        self.request_number += 1
-        seed = (self.config.seed * 1_000_003 + self.request_number) % (2**31 - 1)
+        rollout = _ROLLOUT.get(None)
+        if rollout is None:  # called outside a rollout (a custom hook): a running count
+            self.request_number += 1
+            rollout = [-1, self.request_number]
+        rollout[1] += 1
+        seed = request_seed(self.config.seed, rollout[0], rollout[1])
         top = self.config.num_sampler_logprobs if self.config.score_centering else 0
         settings = {"prompt_ids": prompt_ids, "max_tokens": self.config.max_completion_length,
                     "temperature": self.config.temperature, "seed": seed, "logprobs": top}
@@ -289,10 +321,10 @@ class AsyncRolloutLoop:
         if self.sync_state is not None:
             self.sync_state[1] += 1  # results put; the trainer compares with what it got
 
-    def served_name(self) -> str:
+    def served_name(self, version: int | None = None) -> str:
         if self.lora_name is None:
             return self.model_name
-        return f"{self.lora_name}-v{self.model_version.value}"
+        return f"{self.lora_name}-v{self.model_version.value if version is None else version}"
 
     async def run(self) -> None:
         self.client = CompletionClient(self.config.vllm_server_base_url,
@@ -369,14 +401,15 @@ class AsyncRolloutLoop:
             elif usage < 0.6 and waiting == 0 and self.finished_since_raise >= self.cap:
                 self.cap = min(self.config.max_concurrent_rollouts, math.ceil(self.cap * 1.25))
                 self.finished_since_raise = 0
-            self.record("rollout/concurrency_cap", self.cap)
 
     def _room_for_group(self) -> bool:
         return has_room(self.queued_tokens.value, self.in_flight_groups,
                         self.tokens_per_group[-32:], self.token_allowance.value)
 
     async def _wait_for_room(self, sync_target: list) -> None:
-        waited_from = None
+        """Wait for the staleness rule (token allowance, or the synchronous baseline's batch)
+        and the concurrency cap; only the staleness wait is `rollout/backpressure_s`."""
+        held_back = 0.0
         while not self.stopping():
             if self.config.synchronous:
                 room = self._sync_room(sync_target)
@@ -389,10 +422,12 @@ class AsyncRolloutLoop:
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
                     self.cap, self.config.num_generations):
                 break
-            waited_from = waited_from or time.monotonic()
+            slept = time.monotonic()
             await asyncio.sleep(0.005)
-        if waited_from is not None:
-            self.record("rollout/backpressure_s", time.monotonic() - waited_from)
+            if not room:
+                held_back += time.monotonic() - slept
+        if held_back:
+            self.record("rollout/backpressure_s", held_back)
 
     def _sync_room(self, state: list) -> bool:
         """Baseline: emit one step's samples under version v, then wait until the trainer has
@@ -420,7 +455,8 @@ class AsyncRolloutLoop:
             if position in self.skip_positions:
                 position += 1
                 continue
-            row_index = epoch_order(self.config.seed, epoch, rows)[index]
+            row_index = epoch_order(self.config.data_order_seed, epoch, rows,
+                                    self.config.train_sampling_strategy == "random")[index]
             row = self.dataset[row_index]
             if self.filter_prompt(row_index, row, epoch):
                 accepted_in_epoch += 1
@@ -445,13 +481,14 @@ class AsyncRolloutLoop:
             await asyncio.sleep(0.1)
 
     async def _group(self, position: int, row_index: int, row: dict, group_id: int) -> None:
-        token = _MODEL.set(self.served_name())
-        version = self.model_version.value
+        version = self.model_version.value  # read once: the name and the tag must agree
+        token = _MODEL.set(self.served_name(version))
         try:
             prompt = row["prompt"]
             started = time.monotonic()
+            k = self.config.num_generations
             rollouts = await asyncio.gather(*[
-                self._one(prompt, group_id) for _ in range(self.config.num_generations)])
+                self._one(prompt, group_id, position * k + i) for i in range(k)])
             group = self._assemble(rollouts, prompt, row, row_index, group_id, version,
                                    position)
             tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
@@ -468,9 +505,11 @@ class AsyncRolloutLoop:
         finally:
             _MODEL.reset(token)
 
-    async def _one(self, prompt: list[dict], group_id: int) -> Rollout:
+    async def _one(self, prompt: list[dict], group_id: int, rollout_key: int) -> Rollout:
+        _ROLLOUT.set([rollout_key, 0])  # this task's own context: its requests' seeds
         self.in_flight_rollouts += 1
         self.record("rollout/concurrency", self.in_flight_rollouts)
+        self.record("rollout/concurrency_cap", self.cap)
         started = time.monotonic()
         try:
             rollout = await self.generate_one(prompt, self.tools, group_id)
@@ -488,11 +527,20 @@ class AsyncRolloutLoop:
 
     def _assemble(self, rollouts, prompt, row, row_index, group_id, version, position):
         columns = {k: [v] * len(rollouts) for k, v in row.items() if k != "prompt"}
+        sequences = []
+        for rollout in rollouts:
+            reconciled, drifts = reconcile_turns(rollout.turns)
+            sequences.append(reconciled)
+            self.record("rollout/samples_per_rollout", len(reconciled))
+            for drift in drifts:  # turn transitions only: absent for single-turn rollouts
+                self.record("rollout/fork_frac", float(drift > 0))
+                self.record("rollout/drift_tokens_mean", drift)
+                self.record("rollout/drift_tokens_max", drift)
         return RolloutGroup(
             prompts=[prompt] * len(rollouts), reward_kwargs=columns,
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
-            completions_sequences=[training_sequences(r.turns) for r in rollouts],
+            completions_sequences=sequences,
             tool_call_counts=[r.tool_call_count for r in rollouts],
             tool_failure_counts=[r.tool_failure_count for r in rollouts],
             model_version=version, group_id=group_id, row_index=row_index,
@@ -586,7 +634,6 @@ class AsyncRolloutLoop:
                     completion_text=group.completions[i][-1]["content"]))
         for sample in samples:
             sample.group_samples = len(samples)
-        self.record("rollout/samples_per_rollout", len(samples) / len(group.completions_ids))
         with self.queued_tokens.get_lock():
             self.queued_tokens.value += sum(s.tokens for s in samples)
         with self.queued_samples.get_lock():

@@ -598,7 +598,8 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add("--max-loras", type=int, default=6)
     add("--max-lora-rank", type=int, default=16)
     add("--max-logprobs", type=int, default=20)
-    add("--dtype", choices=("float32", "bfloat16"), default="float32")
+    add("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
+        help="auto: the checkpoint's dtype")
     add("--threads", type=int, default=1, help="torch threads")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -642,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, local_files_only=True, dtype=getattr(torch, args.dtype),
+        args.model, local_files_only=True,
+        dtype=args.dtype if args.dtype == "auto" else getattr(torch, args.dtype),
         attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     server = Server(args, model, tokenizer)

@@ -19,7 +19,10 @@ a resumed worker neither skips nor replays a prompt.
 from __future__ import annotations
 
 import collections
+import contextlib
+import hashlib
 import io
+import json
 import logging
 import math
 import multiprocessing as mp
@@ -67,6 +70,46 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
+# Settings a resume may change: where and how often things are written, how long to run, and
+# how to reach the server. Any other difference makes a checkpoint refuse to resume.
+RESUMABLE_CHANGES = frozenset({
+    "output_dir", "max_steps", "num_train_epochs", "logging_steps", "save_steps",
+    "save_strategy", "save_total_limit", "disable_tqdm", "log_completions",
+    "num_completions_to_print", "vllm_server_base_url", "vllm_server_timeout",
+    "rollout_worker_timeout", "vllm_max_retries", "max_concurrent_rollouts",
+    "embedded_server", "embedded_server_threads", "embedded_server_max_num_seqs"})
+
+
+def run_identity(args: AsyncGRPOConfig, rows: list[dict]) -> dict:
+    """What a resumed run must share with the checkpoint it continues."""
+    settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES}
+    data = json.dumps(rows, sort_keys=True, default=repr).encode()
+    return {"config": json.loads(json.dumps(settings, default=repr)),
+            "dataset_rows": len(rows), "dataset_sha256": hashlib.sha256(data).hexdigest()}
+
+
+def disable_dropout(model) -> None:
+    """Training mode (gradient checkpointing needs it) without dropout's noise, as TRL does."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def checkpointing(model, on: bool) -> None:
+    """Activation (gradient) checkpointing on or off; transformers 5 renamed the methods."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
 
 
 class TrainOutput(NamedTuple):
@@ -118,20 +161,24 @@ class AsyncGRPOTrainer:
             [reward_funcs] if reward_funcs is not None else [])
         self.rows = as_rows(train_dataset)
         self.log = log
+        remote = self.args.trust_remote_code
         if isinstance(model, str):
             from transformers import AutoModelForCausalLM
 
             self.model_path = model
+            kwargs = dict(self.args.model_init_kwargs or {})
+            dtype = self.args.dtype
+            kwargs.setdefault("dtype", dtype if dtype == "auto" else getattr(torch, dtype))
             model = AutoModelForCausalLM.from_pretrained(
-                model, local_files_only=True, dtype=getattr(torch, self.args.dtype))
+                model, local_files_only=True, trust_remote_code=remote, **kwargs)
         else:
             self.model_path = str(model.name_or_path)
         self.model = model.eval()
         if processing_class is None:
             from transformers import AutoTokenizer
 
-            processing_class = AutoTokenizer.from_pretrained(self.model_path,
-                                                             local_files_only=True)
+            processing_class = AutoTokenizer.from_pretrained(
+                self.model_path, local_files_only=True, trust_remote_code=remote)
         self.tokenizer = processing_class
         if lora_settings(model) is None:  # fresh adapter: peft_config, else the config's r
             rank = getattr(peft_config, "r", self.args.lora_rank)
@@ -209,11 +256,15 @@ class AsyncGRPOTrainer:
         return f"{self.lora_name}-v{version}"
 
     def _sync(self, version: int) -> float:
+        """Publish `version`. The LoRA path neither pauses the server nor waits on other
+        processes (one trainer), so of the seed's pause/barrier/transfer split only
+        `perf/weight_sync_transfer_s` (write + load) exists here."""
         started = time.monotonic()
         directory = self.lora_dir / f"v{version}"
         shutil.rmtree(directory, ignore_errors=True)
         lora.export_peft(self.model, directory, self.model_path, self.rank, self.alpha)
         self.admin.load_lora_adapter(self._adapter_name(version), str(directory.resolve()))
+        self.window.add("perf/weight_sync_transfer_s", time.monotonic() - started)
         self.version.value = version
         self.live_versions.append(version)
         while len(self.live_versions) > self.args.max_staleness + 1:
@@ -246,7 +297,7 @@ class AsyncGRPOTrainer:
                 "consumed_after_cursor": sorted(self.done),
                 "model_version": self.version.value,
                 "global_step": self.global_step,
-                "dataset_rows": len(self.rows),
+                **run_identity(self.args, self.rows),
             })
         if self.args.save_total_limit:
             found = sorted(self.output_dir.glob("checkpoint-*"),
@@ -257,9 +308,20 @@ class AsyncGRPOTrainer:
 
     def _restore(self, checkpoint: Path) -> dict:
         state = read_json(checkpoint / "rollout_state.json")
-        if state["dataset_rows"] != len(self.rows):
-            raise ValueError(f"{checkpoint} was trained on {state['dataset_rows']} prompts, "
-                             f"this dataset has {len(self.rows)}: resume with the same data")
+        identity = run_identity(self.args, self.rows)
+        if state["dataset_rows"] != len(self.rows) or (
+                state["dataset_sha256"] != identity["dataset_sha256"]):
+            raise ValueError(f"{checkpoint} was trained on other prompts ({state['dataset_rows']}"
+                             f" rows; this dataset has {len(self.rows)} and another sha256): "
+                             "resume with the same train_dataset, or train in a fresh "
+                             "output_dir")
+        changed = sorted(k for k in identity["config"].keys() | state["config"].keys()
+                         if identity["config"].get(k) != state["config"].get(k))
+        if changed:
+            details = ", ".join(f"{k}: {state['config'].get(k)!r} -> "
+                                f"{identity['config'].get(k)!r}" for k in changed)
+            raise ValueError(f"{checkpoint} was written under other settings ({details}): "
+                             "resume with the same ones, or train in a fresh output_dir")
         lora.load_peft_into(self.model, checkpoint / "adapter")
         saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
         self.optimizer.load_state_dict(saved["optimizer"])
@@ -396,6 +458,8 @@ class AsyncGRPOTrainer:
                     self._release_tokens(sample)
                     self._resolve(sample.position)
                     continue
+                # scored samples waiting, this one included: the worker's queue + ours
+                self.window.add("rollout/queue_size", self.queued_samples.value)
                 return sample
             waited = time.monotonic()
             group = self._next_group()
@@ -403,7 +467,6 @@ class AsyncGRPOTrainer:
             if group is None:
                 return None
             self.arrived.add(group.position)
-            self.window.add("rollout/queue_size", len(self.pending) + len(group.samples))
             if not group.samples:
                 self.remaining[group.position] = 1
                 self._resolve(group.position)
@@ -441,9 +504,12 @@ class AsyncGRPOTrainer:
 
     def _loss(self, samples: list) -> tuple[torch.Tensor, dict, object]:
         args, batch = self.args, self.batcher.collate(samples)
-        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                            position_ids=batch.position_ids, use_cache=False,
-                            logits_to_keep=batch.width + 1).logits[:, :-1]
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
+                    else contextlib.nullcontext())
+        with autocast:
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                position_ids=batch.position_ids, use_cache=False,
+                                logits_to_keep=batch.width + 1).logits[:, :-1]
         scores = (logits.float() / args.temperature).log_softmax(-1)
         logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
         trained = batch.trained
@@ -506,7 +572,12 @@ class AsyncGRPOTrainer:
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             parameters, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon, weight_decay=args.weight_decay)
+            eps=args.adam_epsilon, weight_decay=args.weight_decay,
+            fused=args.optim == "adamw_torch_fused")
+        disable_dropout(self.model)
+        if args.gradient_checkpointing:
+            checkpointing(self.model, True)
+        self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
         self.global_step, self.num_tokens, self.loss_sum = 0, 0, 0.0
         rows = len(self.rows)
         self.end = math.ceil(args.num_train_epochs * rows) if args.max_steps <= 0 else None
@@ -555,6 +626,9 @@ class AsyncGRPOTrainer:
                 self._stop_server()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+            if args.gradient_checkpointing:
+                checkpointing(self.model, False)
+            self.model.eval()
         mean_loss = self.loss_sum / max(1, self.global_step)
         return TrainOutput(self.global_step, mean_loss, {"train_loss": mean_loss})
 
@@ -565,7 +639,7 @@ class AsyncGRPOTrainer:
         total = args.max_steps if args.max_steps > 0 else self.end
         bar = progress(total, "grpo", initial=self.global_step if args.max_steps > 0
                        else self.cursor)
-        bar.disable = args.disable_tqdm
+        bar.disable = bool(args.disable_tqdm)
         while args.max_steps <= 0 or self.global_step < args.max_steps:
             step_started = time.monotonic()
             self.wait_s = 0.0
@@ -594,6 +668,12 @@ class AsyncGRPOTrainer:
                     break  # every prompt of the last epoch has been consumed
                 time.sleep(0.01)  # synchronous baseline: the worker is starting the next batch
                 continue
+            if microbatches < args.gradient_accumulation_steps:  # the epoch's last, short step:
+                scale = args.gradient_accumulation_steps / microbatches  # a mean over its own
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+                loss_total *= scale
             t0 = time.monotonic()
             for group in self.optimizer.param_groups:
                 group["lr"] = self._learning_rate(self.global_step)
@@ -663,6 +743,8 @@ class AsyncGRPOTrainer:
         w.add("batch/row_tokens_mean", batch.forwarded_tokens)
         w.add("batch/row_tokens_max", batch.forwarded_tokens)
         w.add("batch/row_fill_frac", batch.forwarded_tokens / self.token_budget)
+        costs = batch.row_attention_costs
+        w.add("batch/row_imbalance", max(costs) / (sum(costs) / len(costs)))
         w.add("batch/pad_frac", 1 - batch.real_tokens / batch.forwarded_tokens)
         w.add("batch/packing_ratio", 1.0)
         w.add("batch/masked_token_frac",
