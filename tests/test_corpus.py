@@ -106,3 +106,30 @@ def test_stage_refuses_another_seed(in_tmp):
     with pytest.raises(ReproError, match="frozen at seed 49"):
         corpus.stage("prepare", {"seed": 50}, _Run(), log=lambda m: None)
     assert not Path("data").exists()
+
+
+def test_learning_scopes_never_read_held_out_rows(in_tmp):
+    """Scopes first: no learning or verifier stage may open a held-out file. Then contents: a
+    learning file holding a test or probe row is refused even when the manifest vouches for
+    it (a generator that leaked the row would sign its own output)."""
+    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
+    for scope in corpus.LEARNING_SCOPES:
+        for name in ("input/pages.json", "labels/gold.json"):
+            with pytest.raises(corpus.HeldOutError, match="held-out discipline"):
+                corpus.read(name, scope)
+        for name in corpus.SCOPES[scope]:
+            corpus.read(name, scope)  # the real corpus: nothing held out anywhere
+    root = Path("data/generated")
+    pages = read_json(root / "input/pages.json")
+    for split in corpus.HELD_OUT_SPLITS:
+        held_out = next(r for r in pages if r["split"] == split)
+        rows = read_json(root / "train/pages.json")
+        leaked = rows + [{**rows[0], "prompt": held_out["prompt"]}]
+        Path(root / "train/pages.json").write_text(json.dumps(leaked))
+        manifest = read_json(root / "manifest.json")
+        manifest["files"]["train/pages.json"] = sha256_file(root / "train/pages.json")
+        Path(root / "manifest.json").write_text(json.dumps(manifest))
+        for scope in corpus.LEARNING_SCOPES:
+            with pytest.raises(corpus.HeldOutError, match="holds 1 held-out"):
+                corpus.read("train/pages.json", scope)
+        Path(root / "train/pages.json").write_text(json.dumps(rows))

@@ -344,7 +344,8 @@ def test_profile_names_only_rules_of_the_workflow(workflow_copy):
     rules = set(snakemake(workflow_copy, "--list-rules").stdout.split())
     assert set(profile["set-resources"]) <= rules, set(profile["set-resources"]) - rules
     training = {r for r in rules if r == "base_model" or r.split("_")[0] in (
-        "sft", "reward", "ppo") and not r.endswith(("_check", "_report"))}
+        "sft", "reward", "ppo", "grpo") and not r.endswith(("_check", "_report"))}
+    assert {"grpo_verifier", "grpo_learned"} <= training
     generation = {r for r in rules if r.startswith("generate_")}
     assert training | generation <= set(profile["set-resources"])
     for resources in profile["set-resources"].values():

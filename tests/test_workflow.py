@@ -180,6 +180,20 @@ def test_code_edit_reruns_exactly_the_dependents(workflow, module, expected):
     assert planned_rules(workflow) == set()
 
 
+@pytest.mark.parametrize(
+    "rule, expected",
+    [
+        ("ppo_continuous", {"ppo_continuous", "ppo_resume_check", "ppo_report", "evaluate",
+                            "exercise", "report"}),
+        ("grpo_verifier", {"grpo_verifier", "generate_grpo_verifier", "evaluate", "exercise",
+                           "report"}),
+        ("report", {"report"}),
+    ],
+)
+def test_forcerun_reruns_the_rule_and_exactly_its_dependents(workflow, rule, expected):
+    assert planned_rules(workflow, "--forcerun", rule) == expected
+
+
 def test_config_edit_reruns_only_its_stage(workflow):
     assert planned_rules(workflow, "--config", "threads=1") == set()  # threads: not a result
     changed = planned_rules(workflow, "--config", "seed=49", "profile=other")
@@ -247,12 +261,51 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def _leak_probe(workdir: Path, name: str) -> None:
+    """A generator bug, simulated: a probe row lands in a learning file, and the corpus
+    manifest is re-signed to vouch for it (only the held-out check can still see it)."""
+    corpus = workdir / "data/generated"
+    probe = next(r for r in read_json(corpus / "input/pages.json") if r["split"] == "probe")
+    rows = read_json(corpus / name)
+    rows.append({**rows[0], "document_id": probe["document_id"], "prompt": probe["prompt"]})
+    write_json(corpus / name, rows)
+    manifest = read_json(corpus / "manifest.json")
+    manifest["files"][name] = sha256_file(corpus / name)
+    write_json(corpus / "manifest.json", manifest)
+
+
+# how a case damages the project before its command runs (undone afterwards, bytes and times)
+DAMAGES = {
+    "flip": lambda workdir, name: _flip_byte(workdir / name),
+    "aside": lambda workdir, name: (workdir / name).unlink(),  # the stage's own old output
+    "edit": lambda workdir, name: (workdir / name).write_text(
+        (workdir / name).read_text() + "\n# an edit\n"),
+    "leak": _leak_probe,
+}
+
+
+def _qwen_on_tiny(workdir: Path) -> dict:
+    """The Qwen profile pointed at the tiny embedded base."""
+    config = configuration.load(workdir / "configs/qwen2.5-0.5b.yaml")
+    config["model"]["path"] = "assets/model"
+    return config
+
+
+def _ci_sft_lr_x2(workdir: Path) -> dict:
+    """The CI profile with another SFT learning rate than its interrupt state was made with."""
+    config = configuration.load(workdir / "configs/ci.yaml")
+    config["sft"]["learning_rate"] *= 2
+    return config
+
+
+CONFIG_EDITS = {"QWEN_ON_TINY": _qwen_on_tiny, "CI_SFT_LR_X2": _ci_sft_lr_x2}
+
 BAD_INPUTS = {
-    # case: (file to damage or None, command, expected message)
-    "corrupted checkpoint": ("assets/checkpoints/reward-final.safetensors",
+    # case: (damage (kind, path) or None, command, expected message)
+    "corrupted checkpoint": (("flip", "assets/checkpoints/reward-final.safetensors"),
                              ["reward_test", "--config", "configs/ci.yaml"],
                              "does not match the sha256"),
-    "tampered corpus file": ("data/generated/input/pages.json",
+    "tampered corpus file": (("flip", "data/generated/input/pages.json"),
                              ["generation_inputs", "--config", "configs/ci.yaml"],
                              "the corpus was modified"),
     "missing model directory": (None, ["base_model", "--config", "configs/qwen2.5-0.5b.yaml"],
@@ -261,11 +314,24 @@ BAD_INPUTS = {
                                  "hidden_size=64, the profile expects 896"),
     "invalid config": (None, ["prepare", "--config-json", '{"seed": "49"}'],
                        "config key seed: '49' is not of type 'integer'"),
+    "resume state from another config": (
+        ("aside", "assets/checkpoints/sft-resume.pt.gz"),
+        ["sft_resume", "--config-json", "CI_SFT_LR_X2"],
+        "cannot be resumed by this run (identity.config.sft.learning_rate"),
+    "resume state from other code": (
+        ("edit", "src/reprorl/warmstart.py"), ["sft_resume", "--config", "configs/ci.yaml"],
+        "cannot be resumed by this run (identity.code_sha256"),
     "overwrite a preserved checkpoint": (None, ["sft_interrupt", "--config", "configs/ci.yaml"],
                                          "checkpoints are preserved"),
+    "overwrite a preserved GRPO policy": (None, ["grpo_learned", "--config", "configs/ci.yaml"],
+                                          "checkpoints are preserved"),
     "labels visible to generation": (None, ["generate_ppo", "--config", "configs/ci.yaml"],
                                      "generation can see"),
-    "GRPO from a corrupted SFT checkpoint": ("assets/checkpoints/sft-final.safetensors",
+    "probes visible to a learning stage": (
+        ("leak", "labels/validation-pairs.json"), ["sft_validation", "--config",
+                                                   "configs/ci.yaml"],
+        "holds 1 held-out (test or probe) row(s)"),
+    "GRPO from a corrupted SFT checkpoint": (("flip", "assets/checkpoints/sft-final.safetensors"),
                                              ["grpo_verifier", "--config", "configs/ci.yaml"],
                                              "does not match the sha256"),
     "GRPO with an invalid group size": (None, ["grpo_learned", "--config-json",
@@ -276,16 +342,18 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_refused_cleanly(workflow, case):
-    damaged, command, message = BAD_INPUTS[case]
-    if "QWEN_ON_TINY" in command:  # the Qwen profile pointed at the tiny embedded base
-        qwen = configuration.load(workflow / "configs/qwen2.5-0.5b.yaml")
-        qwen["model"]["path"] = "assets/model"
-        command = [json.dumps(qwen) if c == "QWEN_ON_TINY" else c for c in command]
-    original = (workflow / damaged).read_bytes() if damaged else None
-    mtime = (workflow / damaged).stat().st_mtime_ns if damaged else None
+    damage, command, message = BAD_INPUTS[case]
+    command = [json.dumps(CONFIG_EDITS[c](workflow)) if c in CONFIG_EDITS else c
+               for c in command]
+    touched = []
+    if damage:
+        kind, name = damage
+        touched = [workflow / name] if kind != "leak" else [
+            workflow / "data/generated" / name, workflow / "data/generated/manifest.json"]
+    saved = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in touched}
     try:
-        if damaged:
-            _flip_byte(workflow / damaged)
+        if damage:
+            DAMAGES[kind](workflow, name)
         before = _snapshot(workflow)
         result = reprorl(workflow, *command)
         assert result.returncode == 2, result.stdout + result.stderr
@@ -293,6 +361,6 @@ def test_bad_input_is_refused_cleanly(workflow, case):
         assert len(error_lines) == 1 and message in error_lines[0], result.stderr
         assert _snapshot(workflow) == before  # nothing produced was lost or overwritten
     finally:
-        if damaged:
-            (workflow / damaged).write_bytes(original)
-            os.utime(workflow / damaged, ns=(mtime, mtime))
+        for path, (data, mtime) in saved.items():
+            path.write_bytes(data)
+            os.utime(path, ns=(mtime, mtime))

@@ -88,7 +88,30 @@ def read(name: str, scope: str):
             f"{path} does not match the sha256 in {CORPUS_DIR / 'manifest.json'}: the corpus "
             "was modified; restore it (or move data/generated away and rerun prepare)"
         )
-    return read_json(path)
+    content = read_json(path)
+    if scope in LEARNING_SCOPES:
+        refuse_held_out(path, content, scope)
+    return content
+
+
+LEARNING_SCOPES = ("learning", "verifier")
+HELD_OUT_SPLITS = ("test", "probe")
+
+
+def refuse_held_out(path: Path, rows: list[dict], scope: str) -> None:
+    """Second line of the held-out discipline, behind the scopes: a file a learning stage reads
+    must not hold a test or probe row (same prompt or document id), even under a manifest that
+    vouches for it (a generator that leaked them would sign its own output)."""
+    pages = read("input/pages.json", "evaluation")  # looked at here, never handed out
+    held_out = {key for r in pages if r["split"] in HELD_OUT_SPLITS
+                for key in (r["prompt"], r["document_id"])}
+    leaked = [r.get("document_id") or r.get("prompt") for r in rows
+              if r.get("prompt") in held_out or r.get("document_id") in held_out]
+    if leaked:
+        raise HeldOutError(
+            f"{path} holds {len(leaked)} held-out (test or probe) row(s), e.g. {leaked[0]!r}: "
+            f"a {scope} stage must never see them; fix the corpus generator's splits and "
+            "regenerate the corpus (move data/generated away, then snakemake prepare)")
 
 
 def digest(text: str) -> str:

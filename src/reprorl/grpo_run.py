@@ -24,7 +24,7 @@ import torch
 from . import corpus, roles
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from .manifest import ReproError, peak_rss_mb, write_json
+from .manifest import ReproError, peak_rss_mb, refuse_to_overwrite, write_json
 from .rubric import evaluate_response
 
 ROLLOUT_PROMPTS = 672
@@ -160,8 +160,9 @@ def train(config: dict, run: str, log=print) -> dict:
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     which = name.removeprefix("grpo_")
-    summary = train(config, which, log)
     final = roles.CHECKPOINTS / f"grpo_{which}"
+    refuse_to_overwrite(f"{final}-final.safetensors")
+    summary = train(config, which, log)
     inputs = [corpus.CORPUS_DIR / "train/pages.json", config["model"]["path"],
               roles.CHECKPOINTS / "sft-final.safetensors"]
     if which == "verifier":

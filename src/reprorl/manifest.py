@@ -38,6 +38,14 @@ class PreservedArtifactError(ReproError):
     """A stage was asked to overwrite an artifact that must be preserved."""
 
 
+def refuse_to_overwrite(path: str | os.PathLike) -> None:
+    """Training checkpoints are preserved: a stage run by hand never replaces them."""
+    if Path(path).exists():
+        raise PreservedArtifactError(
+            f"{path} exists and checkpoints are preserved; delete it to retrain (Snakemake "
+            "does so itself when the rule must rerun)")
+
+
 class AuditError(ReproError):
     """A file no longer has the sha256 its manifest recorded."""
 

@@ -33,6 +33,7 @@ from .manifest import (
     hash_paths,
     peak_rss_mb,
     read_json,
+    refuse_to_overwrite,
     sha256_file,
     write_json,
 )
@@ -41,7 +42,14 @@ from .roles import CHECKPOINTS, load_final
 from .rubric import evaluate_response
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
-from .state import first_difference, load_state, restore_rng, rng_state, save_state, seed_everything
+from .state import (
+    first_difference,
+    load_state,
+    restore_rng,
+    rng_state,
+    save_state,
+    seed_everything,
+)
 
 ITERATIONS, INTERRUPT_AT, PROMPTS_PER_ITERATION, UPDATES_PER_BATCH = 100, 40, 4, 2
 # Sampling temperature, fixed by the specification: the actor loss and the KL reward use
@@ -391,9 +399,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
                    outputs=["outputs/learning/ppo/resume-check.json"], summary=result)
         return result
     destination = CHECKPOINTS / f"ppo-{mode}.pt.gz"
-    if destination.exists():
-        raise ReproError(f"{destination} exists and checkpoints are preserved; delete it to "
-                         "retrain (Snakemake does so itself when the rule must rerun)")
+    refuse_to_overwrite(destination)
     summary = train(config, mode, log)
     inputs = [config["model"]["path"], corpus.CORPUS_DIR / "train/pages.json",
               *INPUT_CHECKPOINTS]

@@ -27,12 +27,26 @@ import torch
 from . import corpus, roles
 from .codehash import code_hash
 from .encoding import Example, collate, example, load_tokenizer, prompt_ids
-from .manifest import ReproError, hash_paths, peak_rss_mb, sha256_file, write_json
+from .manifest import (
+    ReproError,
+    hash_paths,
+    peak_rss_mb,
+    refuse_to_overwrite,
+    sha256_file,
+    write_json,
+)
 from .progress import progress
 from .rubric import evaluate_response
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
-from .state import first_difference, load_state, restore_rng, rng_state, save_state, seed_everything
+from .state import (
+    first_difference,
+    load_state,
+    restore_rng,
+    rng_state,
+    save_state,
+    seed_everything,
+)
 
 EPOCHS = {"sft": 3, "reward": 2}
 POPULATION = {"sft": 168, "reward": 840}
@@ -310,9 +324,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
                    summary=result)
         return result
     destination = CHECKPOINTS / f"{branch}-{mode}.pt.gz"
-    if destination.exists():
-        raise ReproError(f"{destination} exists and checkpoints are preserved; delete it to "
-                         "retrain (Snakemake does so itself when the rule must rerun)")
+    refuse_to_overwrite(destination)
     summary = train(config, branch, mode, log)
     inputs = [config["model"]["path"], *data_files(branch)]
     if mode == "resume":

@@ -52,7 +52,7 @@ class AsyncGRPOConfig:
     save_total_limit: int | None = field(default=None, metadata={
         "help": "Keep at most this many checkpoints (oldest deleted first)."})
     seed: int = field(default=42, metadata={
-        "help": "Seeds the trainer and every sampling request (seed + request number)."})
+        "help": "Seeds the trainer and every sampling request (with the rollout's place)."})
     data_seed: int | None = field(default=None, metadata={
         "help": "Seeds the order of the prompts (None: seed)."})
     train_sampling_strategy: str = field(default="random", metadata={
