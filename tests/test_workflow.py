@@ -301,40 +301,42 @@ def _ci_sft_lr_x2(workdir: Path) -> dict:
 CONFIG_EDITS = {"QWEN_ON_TINY": _qwen_on_tiny, "CI_SFT_LR_X2": _ci_sft_lr_x2}
 
 BAD_INPUTS = {
-    # case: (damage (kind, path) or None, command, expected message)
-    "corrupted checkpoint": (("flip", "assets/checkpoints/reward-final.safetensors"),
+    # case: (damages [(kind, path)], command, expected message)
+    "corrupted checkpoint": ([("flip", "assets/checkpoints/reward-final.safetensors")],
                              ["reward_test", "--config", "configs/ci.yaml"],
                              "does not match the sha256"),
-    "tampered corpus file": (("flip", "data/generated/input/pages.json"),
+    "tampered corpus file": ([("flip", "data/generated/input/pages.json")],
                              ["generation_inputs", "--config", "configs/ci.yaml"],
                              "the corpus was modified"),
-    "missing model directory": (None, ["base_model", "--config", "configs/qwen2.5-0.5b.yaml"],
+    "missing model directory": ([], ["base_model", "--config", "configs/qwen2.5-0.5b.yaml"],
                                 "no model at assets/qwen2.5-0.5b-instruct"),
-    "wrong-architecture model": (None, ["base_model", "--config-json", "QWEN_ON_TINY"],
+    "wrong-architecture model": ([], ["base_model", "--config-json", "QWEN_ON_TINY"],
                                  "hidden_size=64, the profile expects 896"),
-    "invalid config": (None, ["prepare", "--config-json", '{"seed": "49"}'],
+    "invalid config": ([], ["prepare", "--config-json", '{"seed": "49"}'],
                        "config key seed: '49' is not of type 'integer'"),
     "resume state from another config": (
-        ("aside", "assets/checkpoints/sft-resume.pt.gz"),
+        [("aside", "assets/checkpoints/sft-resume.pt.gz")],
         ["sft_resume", "--config-json", "CI_SFT_LR_X2"],
-        "cannot be resumed by this run (identity.config.sft.learning_rate"),
+        "cannot be resumed by this run (identity['config']['sft']['learning_rate']"),
     "resume state from other code": (
-        ("edit", "src/reprorl/warmstart.py"), ["sft_resume", "--config", "configs/ci.yaml"],
-        "cannot be resumed by this run (identity.code_sha256"),
-    "overwrite a preserved checkpoint": (None, ["sft_interrupt", "--config", "configs/ci.yaml"],
+        [("edit", "src/reprorl/warmstart.py"), ("aside", "assets/checkpoints/sft-resume.pt.gz")],
+        ["sft_resume", "--config", "configs/ci.yaml"],
+        "cannot be resumed by this run (identity['code_sha256']"),
+    "overwrite a preserved checkpoint": ([], ["sft_interrupt", "--config", "configs/ci.yaml"],
                                          "checkpoints are preserved"),
-    "overwrite a preserved GRPO policy": (None, ["grpo_learned", "--config", "configs/ci.yaml"],
+    "overwrite a preserved GRPO policy": ([], ["grpo_learned", "--config", "configs/ci.yaml"],
                                           "checkpoints are preserved"),
-    "labels visible to generation": (None, ["generate_ppo", "--config", "configs/ci.yaml"],
+    "labels visible to generation": ([], ["generate_ppo", "--config", "configs/ci.yaml"],
                                      "generation can see"),
     "probes visible to a learning stage": (
-        ("leak", "labels/validation-pairs.json"), ["sft_validation", "--config",
+        [("leak", "labels/validation-pairs.json")], ["sft_validation", "--config",
                                                    "configs/ci.yaml"],
         "holds 1 held-out (test or probe) row(s)"),
-    "GRPO from a corrupted SFT checkpoint": (("flip", "assets/checkpoints/sft-final.safetensors"),
-                                             ["grpo_verifier", "--config", "configs/ci.yaml"],
-                                             "does not match the sha256"),
-    "GRPO with an invalid group size": (None, ["grpo_learned", "--config-json",
+    "GRPO from a corrupted SFT checkpoint": (
+        [("flip", "assets/checkpoints/sft-final.safetensors"),
+         ("aside", "assets/checkpoints/grpo_verifier-final.safetensors")],
+        ["grpo_verifier", "--config", "configs/ci.yaml"], "does not match the sha256"),
+    "GRPO with an invalid group size": ([], ["grpo_learned", "--config-json",
                                                '{"grpo": {"num_generations": 1}}'],
                                         "grpo.num_generations"),
 }
@@ -342,17 +344,16 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_refused_cleanly(workflow, case):
-    damage, command, message = BAD_INPUTS[case]
+    damages, command, message = BAD_INPUTS[case]
     command = [json.dumps(CONFIG_EDITS[c](workflow)) if c in CONFIG_EDITS else c
                for c in command]
     touched = []
-    if damage:
-        kind, name = damage
-        touched = [workflow / name] if kind != "leak" else [
+    for kind, name in damages:
+        touched += [workflow / name] if kind != "leak" else [
             workflow / "data/generated" / name, workflow / "data/generated/manifest.json"]
     saved = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in touched}
     try:
-        if damage:
+        for kind, name in damages:
             DAMAGES[kind](workflow, name)
         before = _snapshot(workflow)
         result = reprorl(workflow, *command)
