@@ -332,6 +332,12 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
     other_rows.rows = make_rows(4)[::-1]
     with pytest.raises(ValueError, match="trained on other prompts"):
         other_rows.train(resume_from_checkpoint=True)
+    state_path = out / "checkpoint-5" / "rollout_state.json"
+    state = json.loads(state_path.read_text())
+    state_path.write_text(json.dumps({k: v for k, v in state.items() if k != "config"}))
+    with pytest.raises(ValueError, match="holds no run identity"):
+        trainer_for(6, record, []).train(resume_from_checkpoint=True)
+    assert not changed.model.training  # a refused resume leaves the model as it was given
     assert (out / "metrics.jsonl").read_text() == text
 
 

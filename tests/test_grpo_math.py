@@ -208,6 +208,7 @@ def test_request_seeds_depend_on_the_rollout_not_on_a_counter():
     seeds = {request_seed(42, key, n) for key in range(50) for n in (1, 2)}
     assert len(seeds) == 100 and all(0 <= s < 2**31 - 1 for s in seeds)
     assert request_seed(42, 7, 1) == request_seed(42, 7, 1) != request_seed(43, 7, 1)
+    assert request_seed(-3, None, 1) not in seeds and request_seed(42, None, 1) not in seeds
 
 
 def _sample(tokens: int, trained: int = 2) -> Sample:
@@ -245,9 +246,13 @@ def test_config_defaults_and_refusals():
     assert (config.gradient_checkpointing, config.bf16, config.ignore_data_skip, config.optim,
             config.train_sampling_strategy, config.disable_tqdm, config.dtype) == (
         True, None, True, "adamw_torch_fused", "random", None, "float32")
-    assert AsyncGRPOConfig(max_steps=10, logging_steps=0.25).logging_steps == 3
+    assert AsyncGRPOConfig(max_steps=10, logging_steps=0.25).steps_of("logging_steps") == 3
+    assert AsyncGRPOConfig(logging_steps=5.0).steps_of("logging_steps") == 5
+    with pytest.raises(ValueError, match="fraction of max_steps"):
+        AsyncGRPOConfig(save_steps=0.5).steps_of("save_steps")
     assert AsyncGRPOConfig(chat_template_kwargs='{"x": 1}').chat_template_kwargs == {"x": 1}
     for bad, match in (({"ignore_data_skip": False}, "replay"), ({"dtype": "fp8"}, "dtype"),
-                       ({"save_steps": 0.5}, "fraction of max_steps")):
+                       ({"logging_steps": 2.5}, "whole number"),
+                       ({"save_steps": float("inf")}, "number > 0")):
         with pytest.raises(ValueError, match=match):
             AsyncGRPOConfig(**bad)

@@ -161,7 +161,8 @@ def train(config: dict, run: str, log=print) -> dict:
 def stage(name: str, config: dict, run, log=print) -> dict:
     which = name.removeprefix("grpo_")
     final = roles.CHECKPOINTS / f"grpo_{which}"
-    refuse_to_overwrite(f"{final}-final.safetensors")
+    for suffix in ("-final.safetensors", "-final.json", "-peft"):
+        refuse_to_overwrite(f"{final}{suffix}")
     summary = train(config, which, log)
     inputs = [corpus.CORPUS_DIR / "train/pages.json", config["model"]["path"],
               roles.CHECKPOINTS / "sft-final.safetensors"]

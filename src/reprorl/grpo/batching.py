@@ -35,10 +35,10 @@ class MicroBatch:
         return int(self.attention_mask.sum())
 
     @property
-    def row_attention_costs(self) -> list[int]:
-        """Attention cost of each row, length squared: a padded row forwards its pads too."""
+    def attention_cost(self) -> int:
+        """Attention cost of the micro-batch: rows x length squared (pads are forwarded)."""
         rows, length = self.input_ids.shape
-        return [length * length] * rows
+        return rows * length * length
 
 
 class PaddedBatcher:

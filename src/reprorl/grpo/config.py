@@ -142,15 +142,12 @@ class AsyncGRPOConfig:
         problems = []
         for name in ("logging_steps", "save_steps"):
             value = getattr(self, name)
-            if 0 < value < 1:
-                if self.max_steps <= 0:
-                    problems.append(f"{name} < 1 is a fraction of max_steps: set max_steps")
-                else:
-                    setattr(self, name, max(1, math.ceil(value * self.max_steps)))
-            elif value >= 1:
-                setattr(self, name, int(value))
-            else:
-                problems.append(f"{name} must be > 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value > 0):
+                problems.append(f"{name} must be a number > 0")
+            elif value > 1 and value != int(value):
+                problems.append(f"{name} must be a whole number of steps (or, below 1, a "
+                                "fraction of max_steps)")
         if self.dtype not in DTYPES:
             problems.append(f"dtype must be one of {DTYPES}")
         if self.train_sampling_strategy not in ("random", "sequential"):
@@ -188,6 +185,17 @@ class AsyncGRPOConfig:
             problems.append("score_centering needs num_sampler_logprobs >= 1")
         if problems:
             raise ValueError("AsyncGRPOConfig: " + "; ".join(problems))
+
+    def steps_of(self, name: str) -> int:
+        """`logging_steps` or `save_steps` in optimizer steps, resolved when training starts
+        (as TrainingArguments does): a value below 1 is a fraction of `max_steps`."""
+        value = getattr(self, name)
+        if value >= 1:
+            return int(value)
+        if self.max_steps <= 0:
+            raise ValueError(f"AsyncGRPOConfig: {name}={value} is a fraction of max_steps: "
+                             "set max_steps > 0, or give a whole number of steps")
+        return max(1, math.ceil(value * self.max_steps))
 
     @property
     def data_order_seed(self) -> int:

@@ -198,11 +198,13 @@ def epoch_order(seed: int, epoch: int, rows: int, shuffle: bool = True) -> tuple
     return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(rows))
 
 
-def request_seed(seed: int, rollout_key: int, request: int) -> int:
+def request_seed(seed: int, rollout_key: int | None, request: int) -> int:
     """The sampling seed of a rollout's n-th request: a function of where the rollout sits in
-    the run, never of a counter, so a resumed run does not repeat the seeds of its start."""
-    return int(np.random.SeedSequence([seed, rollout_key, request]).generate_state(1)[0]
-               % (2**31 - 1))
+    the run, never of a counter, so a resumed run does not repeat the seeds of its start
+    (`rollout_key=None`: a request made outside a rollout, numbered by the loop)."""
+    words = [seed % 2**32, 0, request] if rollout_key is None else [
+        seed % 2**32, 1, rollout_key, request]
+    return int(np.random.SeedSequence(words).generate_state(1)[0] % (2**31 - 1))
 
 
 def is_stale(current_version: int, sample_version: int, max_staleness: int) -> bool:
@@ -272,9 +274,10 @@ class AsyncRolloutLoop:
         rollout = _ROLLOUT.get(None)
         if rollout is None:  # called outside a rollout (a custom hook): a running count
             self.request_number += 1
-            rollout = [-1, self.request_number]
-        rollout[1] += 1
-        seed = request_seed(self.config.seed, rollout[0], rollout[1])
+            seed = request_seed(self.config.seed, None, self.request_number)
+        else:
+            rollout[1] += 1
+            seed = request_seed(self.config.seed, rollout[0], rollout[1])
         top = self.config.num_sampler_logprobs if self.config.score_centering else 0
         settings = {"prompt_ids": prompt_ids, "max_tokens": self.config.max_completion_length,
                     "temperature": self.config.temperature, "seed": seed, "logprobs": top}

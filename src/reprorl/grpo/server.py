@@ -601,6 +601,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
         help="auto: the checkpoint's dtype")
     add("--threads", type=int, default=1, help="torch threads")
+    add("--trust-remote-code", action="store_true", help="allow the model's own code")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -645,8 +646,10 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(
         args.model, local_files_only=True,
         dtype=args.dtype if args.dtype == "auto" else getattr(torch, args.dtype),
+        trust_remote_code=args.trust_remote_code,
         attn_implementation="sdpa").eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True,
+                                              trust_remote_code=args.trust_remote_code)
     server = Server(args, model, tokenizer)
     if server.max_len > args.kv_cache_tokens:
         print(f"reprorl serve: error: --max-model-len {server.max_len} exceeds --kv-cache-tokens "

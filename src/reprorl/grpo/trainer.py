@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -72,22 +73,52 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-# Settings a resume may change: where and how often things are written, how long to run, and
-# how to reach the server. Any other difference makes a checkpoint refuse to resume.
+# Settings a resume may change: where and how often things are written, how long to run, how
+# to reach the server, and memory-only choices. Any other difference makes a checkpoint refuse
+# to resume (max_steps too, when the learning-rate schedule depends on it).
 RESUMABLE_CHANGES = frozenset({
     "output_dir", "max_steps", "num_train_epochs", "logging_steps", "save_steps",
     "save_strategy", "save_total_limit", "disable_tqdm", "log_completions",
     "num_completions_to_print", "vllm_server_base_url", "vllm_server_timeout",
     "rollout_worker_timeout", "vllm_max_retries", "max_concurrent_rollouts",
-    "embedded_server", "embedded_server_threads", "embedded_server_max_num_seqs"})
+    "embedded_server", "embedded_server_threads", "embedded_server_max_num_seqs",
+    "gradient_checkpointing"})
+
+
+def _json_like(value):
+    """`json.dumps` default for fingerprints: sets sorted, arrays as lists, dtypes by name."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(json.dumps(v, sort_keys=True, default=_json_like) for v in value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    if hasattr(value, "tolist"):  # numpy and torch values
+        return value.tolist()
+    raise TypeError(f"a {type(value).__name__} value")
+
+
+def _settings_like(value):  # config values: an object stands for its type (no addresses)
+    try:
+        return _json_like(value)
+    except TypeError:
+        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _config_fingerprint(settings: dict) -> dict:
+    return json.loads(json.dumps(settings, sort_keys=True, default=_settings_like))
 
 
 def run_identity(args: AsyncGRPOConfig, rows: list[dict]) -> dict:
     """What a resumed run must share with the checkpoint it continues."""
     settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES}
-    data = json.dumps(rows, sort_keys=True, default=repr).encode()
-    return {"config": json.loads(json.dumps(settings, default=repr)),
-            "dataset_rows": len(rows), "dataset_sha256": hashlib.sha256(data).hexdigest()}
+    if args.lr_scheduler_type == "linear" or 0 < args.warmup_steps < 1:
+        settings["max_steps"] = args.max_steps  # the schedule is a function of it
+    try:
+        data = json.dumps(rows, sort_keys=True, default=_json_like).encode()
+    except TypeError as error:
+        raise ValueError(f"train_dataset cannot be fingerprinted for checkpoints ({error}): "
+                         "keep its columns JSON-like (str, numbers, lists, dicts)") from error
+    return {"config": _config_fingerprint(settings), "dataset_rows": len(rows),
+            "dataset_sha256": hashlib.sha256(data).hexdigest()}
 
 
 def disable_dropout(model) -> None:
@@ -222,7 +253,9 @@ class AsyncGRPOTrainer:
                    "--max-loras", str(self.args.max_staleness + 2),
                    "--max-lora-rank", str(max(self.rank, 8)),
                    "--max-logprobs", str(max(self.args.num_sampler_logprobs, 1)),
-                   "--dtype", self.args.dtype, "--seed", str(self.args.seed)]
+                   "--dtype", self.serving_dtype(), "--seed", str(self.args.seed)]
+        if self.args.trust_remote_code:
+            command.append("--trust-remote-code")
         if self.args.embedded_server_max_model_len:
             command += ["--max-model-len", str(self.args.embedded_server_max_model_len)]
         self.server_log = open(log_path, "w")  # noqa: SIM115 (closed by _stop_server)
@@ -238,6 +271,11 @@ class AsyncGRPOTrainer:
             time.sleep(0.1)
         self.base_url = f"http://127.0.0.1:{int(port_file.read_text())}"
         self.args.vllm_server_base_url = self.base_url
+
+    def serving_dtype(self) -> str:
+        """The dtype the policy was actually loaded in (model_init_kwargs may override)."""
+        name = str(getattr(self.model, "dtype", "")).removeprefix("torch.")
+        return name if name in ("float32", "bfloat16", "float16") else self.args.dtype
 
     def _stop_server(self) -> None:
         if getattr(self, "server", None) is not None:
@@ -297,7 +335,7 @@ class AsyncGRPOTrainer:
                 "consumed_after_cursor": sorted(self.done),
                 "model_version": self.version.value,
                 "global_step": self.global_step,
-                **run_identity(self.args, self.rows),
+                **self.identity,
             })
         if self.args.save_total_limit:
             found = sorted(self.output_dir.glob("checkpoint-*"),
@@ -308,15 +346,23 @@ class AsyncGRPOTrainer:
 
     def _restore(self, checkpoint: Path) -> dict:
         state = read_json(checkpoint / "rollout_state.json")
-        identity = run_identity(self.args, self.rows)
+        identity = self.identity
+        if "config" not in state or "dataset_sha256" not in state:
+            raise ValueError(f"{checkpoint} holds no run identity (an older release wrote it), "
+                             "so nothing shows it continues this run: train in a fresh "
+                             "output_dir")
         if state["dataset_rows"] != len(self.rows) or (
                 state["dataset_sha256"] != identity["dataset_sha256"]):
             raise ValueError(f"{checkpoint} was trained on other prompts ({state['dataset_rows']}"
                              f" rows; this dataset has {len(self.rows)} and another sha256): "
                              "resume with the same train_dataset, or train in a fresh "
                              "output_dir")
+        # a field one side lacks (a release added it) counts at its default
+        defaults = _config_fingerprint({f.name: f.default for f in dataclasses.fields(self.args)
+                                        if f.default is not dataclasses.MISSING})
         changed = sorted(k for k in identity["config"].keys() | state["config"].keys()
-                         if identity["config"].get(k) != state["config"].get(k))
+                         if identity["config"].get(k, defaults.get(k))
+                         != state["config"].get(k, defaults.get(k)))
         if changed:
             details = ", ".join(f"{k}: {state['config'].get(k)!r} -> "
                                 f"{identity['config'].get(k)!r}" for k in changed)
@@ -458,8 +504,6 @@ class AsyncGRPOTrainer:
                     self._release_tokens(sample)
                     self._resolve(sample.position)
                     continue
-                # scored samples waiting, this one included: the worker's queue + ours
-                self.window.add("rollout/queue_size", self.queued_samples.value)
                 return sample
             waited = time.monotonic()
             group = self._next_group()
@@ -497,6 +541,8 @@ class AsyncGRPOTrainer:
                 return samples
             # Taken: no longer queued. Released now, not after the step, or a step that holds
             # the whole allowance would wait for a group the worker may not start.
+            # queue_size: the scored samples that were waiting, this one included
+            self.window.add("rollout/queue_size", self.queued_samples.value)
             self._release_tokens(sample)
             samples.append(sample)
 
@@ -574,10 +620,9 @@ class AsyncGRPOTrainer:
             parameters, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay,
             fused=args.optim == "adamw_torch_fused")
-        disable_dropout(self.model)
-        if args.gradient_checkpointing:
-            checkpointing(self.model, True)
-        self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
+        self.identity = run_identity(args, self.rows)  # once: the rows do not change
+        self.logging_every = args.steps_of("logging_steps")
+        self.save_every = args.steps_of("save_steps") if args.save_strategy == "steps" else 0
         self.global_step, self.num_tokens, self.loss_sum = 0, 0, 0.0
         rows = len(self.rows)
         self.end = math.ceil(args.num_train_epochs * rows) if args.max_steps <= 0 else None
@@ -601,6 +646,11 @@ class AsyncGRPOTrainer:
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _terminate)
+        model_state = self.model.training, getattr(self.model, "is_gradient_checkpointing",
+                                                   False)
+        disable_dropout(self.model)
+        checkpointing(self.model, args.gradient_checkpointing)
+        self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
         try:
             self._start_server()
             self.admin = ServerAdmin(self.base_url, args.vllm_server_timeout)
@@ -626,9 +676,8 @@ class AsyncGRPOTrainer:
                 self._stop_server()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
-            if args.gradient_checkpointing:
-                checkpointing(self.model, False)
-            self.model.eval()
+            checkpointing(self.model, model_state[1])  # the caller's model as it was given
+            self.model.train(model_state[0])
         mean_loss = self.loss_sum / max(1, self.global_step)
         return TrainOutput(self.global_step, mean_loss, {"train_loss": mean_loss})
 
@@ -645,7 +694,7 @@ class AsyncGRPOTrainer:
             self.wait_s = 0.0
             fwd_bwd = fwd = 0.0
             samples_in_step, loss_total, forwarded, consumed = [], 0.0, 0, 0
-            microbatches = 0
+            microbatches, costs = 0, []
             for _ in range(args.gradient_accumulation_steps):
                 samples = self._microbatch()
                 if not samples:
@@ -660,6 +709,7 @@ class AsyncGRPOTrainer:
                     self.window.extend(name, values)
                 microbatches += 1
                 forwarded += batch.forwarded_tokens
+                costs.append(batch.attention_cost)
                 consumed += sum(s.tokens for s in samples)
                 self._record_batch(samples, batch)
                 samples_in_step += samples
@@ -668,8 +718,10 @@ class AsyncGRPOTrainer:
                     break  # every prompt of the last epoch has been consumed
                 time.sleep(0.01)  # synchronous baseline: the worker is starting the next batch
                 continue
-            if microbatches < args.gradient_accumulation_steps:  # the epoch's last, short step:
-                scale = args.gradient_accumulation_steps / microbatches  # a mean over its own
+            # fewer micro-batches than asked (the epoch's end; in the synchronous baseline, a
+            # batch thinned by dropped groups): the loss is a mean over the step's own
+            if microbatches < args.gradient_accumulation_steps:
+                scale = args.gradient_accumulation_steps / microbatches
                 for p in self.model.parameters():
                     if p.grad is not None:
                         p.grad.mul_(scale)
@@ -702,6 +754,7 @@ class AsyncGRPOTrainer:
             w.add("batch/samples_per_step", len(samples_in_step))
             w.add("batch/groups_per_step", len({s.position for s in samples_in_step}))
             w.add("batch/microbatches_per_step", microbatches)
+            w.add("batch/row_imbalance", max(costs) / (sum(costs) / len(costs)))
             w.add("perf/step_s", step_s)
             w.add("perf/fwd_bwd_s", fwd_bwd)
             w.add("perf/fwd_s", fwd)
@@ -710,9 +763,9 @@ class AsyncGRPOTrainer:
             w.add_rate("perf/fwd_bwd_forwarded_tokens_per_s", forwarded, fwd_bwd)
             w.add_rate("perf/wall_clock_forwarded_tokens_per_s", forwarded, step_s)
             w.add_rate("perf/wall_clock_trained_tokens_per_s", trained_tokens, step_s)
-            if self.global_step % args.logging_steps == 0:
+            if self.global_step % self.logging_every == 0:
                 self._log_window(samples_in_step)
-            if args.save_strategy == "steps" and self.global_step % args.save_steps == 0:
+            if self.save_every and self.global_step % self.save_every == 0:
                 self._save_checkpoint()
             bar.n = self.global_step if args.max_steps > 0 else min(self.cursor, total)
             bar.refresh()
@@ -743,8 +796,6 @@ class AsyncGRPOTrainer:
         w.add("batch/row_tokens_mean", batch.forwarded_tokens)
         w.add("batch/row_tokens_max", batch.forwarded_tokens)
         w.add("batch/row_fill_frac", batch.forwarded_tokens / self.token_budget)
-        costs = batch.row_attention_costs
-        w.add("batch/row_imbalance", max(costs) / (sum(costs) / len(costs)))
         w.add("batch/pad_frac", 1 - batch.real_tokens / batch.forwarded_tokens)
         w.add("batch/packing_ratio", 1.0)
         w.add("batch/masked_token_frac",
