@@ -143,6 +143,13 @@ def checkpointing(model, on: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
+def checkpointing_on(model) -> bool:
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
@@ -646,8 +653,7 @@ class AsyncGRPOTrainer:
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _terminate)
-        model_state = self.model.training, getattr(self.model, "is_gradient_checkpointing",
-                                                   False)
+        model_state = self.model.training, checkpointing_on(self.model)
         disable_dropout(self.model)
         checkpointing(self.model, args.gradient_checkpointing)
         self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
