@@ -333,8 +333,7 @@ BAD_INPUTS = {
                                                    "configs/ci.yaml"],
         "holds 1 held-out (test or probe) row(s)"),
     "GRPO from a corrupted SFT checkpoint": (
-        [("flip", "assets/checkpoints/sft-final.safetensors"),
-         ("aside", "assets/checkpoints/grpo_verifier-final.safetensors")],
+        [("flip", "assets/checkpoints/sft-final.safetensors")],
         ["grpo_verifier", "--config", "configs/ci.yaml"], "does not match the sha256"),
     "GRPO with an invalid group size": ([], ["grpo_learned", "--config-json",
                                                '{"grpo": {"num_generations": 1}}'],

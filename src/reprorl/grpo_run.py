@@ -105,6 +105,8 @@ def train(config: dict, run: str, log=print) -> dict:
         roles.verified_final("reward")
     actor, sft_meta = roles.load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
+    for suffix in ("-final.safetensors", "-final.json", "-peft"):  # inputs sound: now outputs
+        refuse_to_overwrite(roles.CHECKPOINTS / f"grpo_{run}{suffix}")
     shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
@@ -160,10 +162,8 @@ def train(config: dict, run: str, log=print) -> dict:
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     which = name.removeprefix("grpo_")
-    final = roles.CHECKPOINTS / f"grpo_{which}"
-    for suffix in ("-final.safetensors", "-final.json", "-peft"):
-        refuse_to_overwrite(f"{final}{suffix}")
     summary = train(config, which, log)
+    final = roles.CHECKPOINTS / f"grpo_{which}"
     inputs = [corpus.CORPUS_DIR / "train/pages.json", config["model"]["path"],
               roles.CHECKPOINTS / "sft-final.safetensors"]
     if which == "verifier":
