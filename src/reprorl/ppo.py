@@ -34,7 +34,6 @@ from .manifest import (
     peak_rss_mb,
     read_json,
     refuse_to_overwrite,
-    sha256_file,
     write_json,
 )
 from .progress import progress
@@ -43,6 +42,7 @@ from .rubric import evaluate_response
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
 from .state import (
+    check_resume,
     first_difference,
     load_state,
     restore_rng,
@@ -330,22 +330,13 @@ def train(config: dict, mode: str, log=print) -> dict:
 
 
 def resume_check() -> dict:
-    continuous = load_state(CHECKPOINTS / "ppo-continuous.pt.gz")
-    resumed = load_state(CHECKPOINTS / "ppo-resume.pt.gz")
-    difference = first_difference(continuous, resumed)
-    result = {
-        "status": "PASS" if difference is None else "FAIL",
-        "first_difference": difference,
-        "iterations": resumed["iteration"],
-        "updates_per_optimizer": resumed["updates"],
-        "rollout_ids": len(resumed["consumed"]),
-        "continuous_sha256": sha256_file(CHECKPOINTS / "ppo-continuous.pt.gz"),
-        "resume_sha256": sha256_file(CHECKPOINTS / "ppo-resume.pt.gz"),
-    }
-    write_json("outputs/learning/ppo/resume-check.json", result)
-    if difference is not None:
-        raise ReproError(f"PPO resume check FAILED: {difference}")
-    return result
+    resumed = CHECKPOINTS / "ppo-resume.pt.gz"
+    final = load_state(resumed)
+    return check_resume(
+        "PPO", CHECKPOINTS / "ppo-continuous.pt.gz", resumed,
+        "outputs/learning/ppo/resume-check.json",
+        {"iterations": final["iteration"], "updates_per_optimizer": final["updates"],
+         "rollout_ids": len(final["consumed"])})
 
 
 def rollout_report(mode: str = "continuous") -> dict:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import ReproError, atomic_write_bytes, sha256_file
+from .manifest import ReproError, atomic_write_bytes, sha256_file, write_json
 
 
 def save_state(path: str | Path, state: dict) -> dict:
@@ -116,3 +116,22 @@ def first_difference(a: Any, b: Any, where: str = "state") -> str | None:
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def check_resume(name: str, continuous: Path, resumed: Path, report: str | Path,
+                 details: dict) -> dict:
+    """PASS only if the resumed run's final state equals the continuous run's exactly (every
+    tensor bit, RNG, schedule and history); the first difference is named. Written to
+    `report`; a FAIL also stops the stage."""
+    difference = first_difference(load_state(continuous), load_state(resumed))
+    result = {
+        "status": "PASS" if difference is None else "FAIL",
+        "first_difference": difference,
+        "continuous_sha256": sha256_file(continuous),
+        "resume_sha256": sha256_file(resumed),
+        **details,
+    }
+    write_json(report, result)
+    if difference is not None:
+        raise ReproError(f"{name} resume check FAILED: {difference}")
+    return result

@@ -32,7 +32,6 @@ from .manifest import (
     hash_paths,
     peak_rss_mb,
     refuse_to_overwrite,
-    sha256_file,
     write_json,
 )
 from .progress import progress
@@ -40,6 +39,7 @@ from .rubric import evaluate_response
 from .sampling import response_text, sample
 from .schedule import linear_warmup_decay
 from .state import (
+    check_resume,
     first_difference,
     load_state,
     restore_rng,
@@ -260,23 +260,13 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
 
 
 def resume_check(branch: str) -> dict:
-    continuous = load_state(CHECKPOINTS / f"{branch}-continuous.pt.gz")
-    resumed = load_state(CHECKPOINTS / f"{branch}-resume.pt.gz")
-    difference = first_difference(continuous, resumed)
-    result = {
-        "branch": branch,
-        "status": "PASS" if difference is None else "FAIL",
-        "first_difference": difference,
-        "updates": resumed["updates"],
-        "continuous_sha256": sha256_file(CHECKPOINTS / f"{branch}-continuous.pt.gz"),
-        "resume_sha256": sha256_file(CHECKPOINTS / f"{branch}-resume.pt.gz"),
-        "compared": "every learned tensor, optimizer state, sampler and RNG states, schedule, "
-                    "history and validation history (timings are kept outside the state)",
-    }
-    write_json(f"outputs/learning/{branch}/resume-check.json", result)
-    if difference is not None:
-        raise ReproError(f"{branch} resume check FAILED: {difference}")
-    return result
+    resumed = CHECKPOINTS / f"{branch}-resume.pt.gz"
+    return check_resume(
+        branch, CHECKPOINTS / f"{branch}-continuous.pt.gz", resumed,
+        f"outputs/learning/{branch}/resume-check.json",
+        {"branch": branch, "updates": load_state(resumed)["updates"],
+         "compared": "every learned tensor, optimizer state, sampler and RNG states, schedule, "
+                     "history and validation history (timings are kept outside the state)"})
 
 
 @torch.no_grad()
