@@ -27,7 +27,6 @@ from reprorl.grpo.rollout import (
     is_stale,
     reconcile_turns,
     request_seed,
-    training_sequences,
 )
 
 
@@ -194,7 +193,7 @@ def test_turns_continue_or_fork_into_training_sequences():
     first = TurnRecord([1, 2], [3, 4], [-0.1, -0.2])
     follow = TurnRecord([1, 2, 3, 4, 9], [5], [-0.3])  # extends the history: same sequence
     fork = TurnRecord([1, 7], [8], [-0.4])  # history rewritten: a new sequence
-    sequences = training_sequences([first, follow, fork])
+    sequences = reconcile_turns([first, follow, fork])[0]
     assert [s.input_ids for s in sequences] == [[1, 2, 3, 4, 9, 5], [1, 7, 8]]
     assert sequences[0].trained == [0, 0, 1, 1, 0, 1]
     assert sequences[0].sampler_logprobs == [0, 0, -0.1, -0.2, 0, -0.3]

@@ -168,10 +168,6 @@ def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], li
     return [s for s in sequences if any(s.trained)], drifts
 
 
-def training_sequences(turns: list[TurnRecord]) -> list[TrainingSequence]:
-    return reconcile_turns(turns)[0]
-
-
 def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[float],
              allowance: float) -> bool:
     """The token-allowance rule: may a new group start?
