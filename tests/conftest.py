@@ -15,15 +15,16 @@ CRASH_REPORT: dict[str, dict] = {}  # test_crash.py: the kill points of each sta
 WORKFLOW_PARTS = ("Snakefile", "rules", "workflow", "configs", "src")
 
 
-def copy_workflow(destination: Path) -> Path:
-    """A runnable copy of the workflow *and* the package, so tests may edit modules."""
+def copy_workflow(destination: Path, origin: Path = ROOT, extra: tuple[str, ...] = ()) -> Path:
+    """A runnable copy of the workflow *and* the package, so tests may edit modules; from
+    another copy (`origin`), with `extra` of its folders too (those it has)."""
     destination.mkdir(parents=True, exist_ok=True)
-    for part in WORKFLOW_PARTS:
-        source = ROOT / part
+    for part in (*WORKFLOW_PARTS, *extra):
+        source = origin / part
         if source.is_dir():
             shutil.copytree(source, destination / part, symlinks=True,
                             ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
+        elif source.exists():
             shutil.copy2(source, destination / part)
     return destination
 

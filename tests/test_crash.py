@@ -16,7 +16,6 @@ The kill points of every stage are printed in pytest's terminal summary.
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CRASH_REPORT, WORKFLOW_PARTS, copy_workflow
+from conftest import CRASH_REPORT, copy_workflow
 
 from reprorl.manifest import read_json, sha256_file, sha256_json
 
@@ -86,14 +85,7 @@ def reference(tmp_path_factory):
 def _upstream_ready(reference_dir: Path, destination: Path) -> Path:
     """A copy of the reference project: its code (not the checkout's, which may have moved on
     since), files, times and Snakemake's records."""
-    destination.mkdir(parents=True)
-    for top in (*WORKFLOW_PARTS, "data", "assets", "outputs", ".snakemake"):
-        source = reference_dir / top
-        if source.is_dir():
-            shutil.copytree(source, destination / top, symlinks=True)
-        elif source.exists():
-            shutil.copy2(source, destination / top)
-    return destination
+    return copy_workflow(destination, reference_dir, ("data", "assets", "outputs", ".snakemake"))
 
 
 def _kill_mid_job(workdir: Path, stage: str, latest: float, rng: random.Random,
