@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .manifest import ReproError, atomic_directory, atomic_write_bytes, write_json
+from .errors import ReproError
+from .manifest import atomic_directory, atomic_write_bytes, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -38,9 +39,16 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = self.base(x)
-        delta = nn.functional.linear(nn.functional.linear(x.float(), self.lora_A), self.lora_B)
-        return (result.float() + self.scale * delta).to(result.dtype)
+        return with_adapter(self.base(x), x, self.lora_A, self.lora_B, self.scale)
+
+
+def with_adapter(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """`result + scale * B(A x)`, `result` being the base layer's `W x`: the branch in FP32,
+    the sum cast back to the base dtype (PEFT's rule). The trainer's `LoRALinear` and the
+    generation server's per-adapter layers both compute it here."""
+    delta = nn.functional.linear(nn.functional.linear(x.float(), a), b)
+    return (result.float() + scale * delta).to(result.dtype)
 
 
 def inject(model: nn.Module, rank: int, alpha: float, seed: int) -> int:
@@ -57,7 +65,8 @@ def inject(model: nn.Module, rank: int, alpha: float, seed: int) -> int:
     generator = torch.Generator().manual_seed(seed)
     for name in sorted(found):
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, LoRALinear(found[name], rank, alpha, generator))
+        wrapped = LoRALinear(found[name], rank, alpha, generator)
+        setattr(model.get_submodule(parent), child, wrapped)
     for name, parameter in model.named_parameters():  # the whole base is frozen, not just W
         parameter.requires_grad_(is_adapter(name))
     return sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))

@@ -20,171 +20,169 @@ from dataclasses import asdict, dataclass, field, fields
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def option(default, text: str):
+    """A field with its one-line help (`AsyncGRPOConfig.help()`)."""
+    return field(default=default, metadata={"help": text})
+
+
 @dataclass
 class AsyncGRPOConfig:
     # ---- training loop (TrainingArguments fields, the seed's defaults)
-    output_dir: str | None = field(default=None, metadata={
-        "help": "Checkpoints, metrics and the `.vllm_lora/` serving cache go here."})
-    per_device_train_batch_size: int = field(default=8, metadata={
-        "help": "Samples per micro-batch at most (rows also stay within token_budget)."})
-    gradient_accumulation_steps: int = field(default=1, metadata={
-        "help": "Micro-batches per optimizer step."})
-    num_train_epochs: float = field(default=3.0, metadata={
-        "help": "Passes over the prompts, counted in distinct prompts consumed."})
-    max_steps: int = field(default=-1, metadata={
-        "help": "If > 0, stop after this many optimizer steps instead of by epochs."})
-    learning_rate: float = field(default=1e-6, metadata={"help": "AdamW peak learning rate."})
-    lr_scheduler_type: str = field(default="constant", metadata={
-        "help": "'constant' or 'linear' (linear decay needs max_steps > 0)."})
-    warmup_steps: float = field(default=0, metadata={
-        "help": "Warm-up steps (a float < 1 is a fraction of max_steps)."})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
-    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
-    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
-    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping norm."})
-    logging_steps: float = field(default=1, metadata={
-        "help": "Optimizer steps per metrics window (< 1: a fraction of max_steps)."})
-    save_steps: float = field(default=500, metadata={
-        "help": "Optimizer steps between checkpoints (< 1: a fraction of max_steps)."})
-    save_strategy: str = field(default="steps", metadata={
-        "help": "'steps' or 'no' (then only the final adapter is written)."})
-    save_total_limit: int | None = field(default=None, metadata={
-        "help": "Keep at most this many checkpoints (oldest deleted first)."})
-    seed: int = field(default=42, metadata={
-        "help": "Seeds the trainer and every sampling request (with the rollout's place)."})
-    data_seed: int | None = field(default=None, metadata={
-        "help": "Seeds the order of the prompts (None: seed)."})
-    train_sampling_strategy: str = field(default="random", metadata={
-        "help": "'random' (a seeded shuffle per epoch) or 'sequential' (dataset order)."})
-    optim: str = field(default="adamw_torch_fused", metadata={
-        "help": "'adamw_torch_fused' or 'adamw_torch' (the same AdamW, fused kernel or not)."})
-    gradient_checkpointing: bool = field(default=True, metadata={
-        "help": "Recompute the policy's activations in the backward pass to save memory."})
-    bf16: bool | None = field(default=None, metadata={
-        "help": "Autocast forward/backward to bfloat16 (None: only on a CUDA trainer)."})
-    ignore_data_skip: bool = field(default=True, metadata={
-        "help": "Always True: a resume continues from rollout_state.json, never replays."})
-    dtype: str = field(default="float32", metadata={
-        "help": "Dtype the policy is loaded in: 'auto', 'float32', 'bfloat16' or 'float16'."})
-    model_init_kwargs: dict | None = field(default=None, metadata={
+    output_dir: str | None = option(
+        None, "Checkpoints, metrics and the `.vllm_lora/` serving cache go here.")
+    per_device_train_batch_size: int = option(
+        8, "Samples per micro-batch at most (rows also stay within token_budget).")
+    gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    num_train_epochs: float = option(
+        3.0, "Passes over the prompts, counted in distinct prompts consumed.")
+    max_steps: int = option(
+        -1, "If > 0, stop after this many optimizer steps instead of by epochs.")
+    learning_rate: float = option(1e-6, "AdamW peak learning rate.")
+    lr_scheduler_type: str = option(
+        "constant", "'constant' or 'linear' (linear decay needs max_steps > 0).")
+    warmup_steps: float = option(0, "Warm-up steps (a float < 1 is a fraction of max_steps).")
+    weight_decay: float = option(0.0, "AdamW weight decay.")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.999, "AdamW beta2.")
+    adam_epsilon: float = option(1e-8, "AdamW epsilon.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm.")
+    logging_steps: float = option(
+        1, "Optimizer steps per metrics window (< 1: a fraction of max_steps).")
+    save_steps: float = option(
+        500, "Optimizer steps between checkpoints (< 1: a fraction of max_steps).")
+    save_strategy: str = option(
+        "steps", "'steps' or 'no' (then only the final adapter is written).")
+    save_total_limit: int | None = option(
+        None, "Keep at most this many checkpoints (oldest deleted first).")
+    seed: int = option(
+        42, "Seeds the trainer and every sampling request (with the rollout's place).")
+    data_seed: int | None = option(None, "Seeds the order of the prompts (None: seed).")
+    train_sampling_strategy: str = option(
+        "random", "'random' (a seeded shuffle per epoch) or 'sequential' (dataset order).")
+    optim: str = option("adamw_torch_fused", "'adamw_torch_fused' or 'adamw_torch' (the same "
+                        "AdamW, fused kernel or not).")
+    gradient_checkpointing: bool = option(
+        True, "Recompute the policy's activations in the backward pass to save memory.")
+    bf16: bool | None = option(
+        None, "Autocast forward/backward to bfloat16 (None: only on a CUDA trainer).")
+    ignore_data_skip: bool = option(
+        True, "Always True: a resume continues from rollout_state.json, never replays.")
+    dtype: str = option(
+        "float32", "Dtype the policy is loaded in: 'auto', 'float32', 'bfloat16' or 'float16'.")
+    model_init_kwargs: dict | None = field(default=None, metadata={  # a dict type: not option
         "help": "Keyword arguments for from_pretrained when the model is given as a path."})
-    trust_remote_code: bool = field(default=False, metadata={
-        "help": "Allow custom model code when the model is given as a path."})
-    disable_tqdm: bool | None = field(default=None, metadata={
-        "help": "Hide the progress bar (None: shown)."})
+    trust_remote_code: bool = option(
+        False, "Allow custom model code when the model is given as a path.")
+    disable_tqdm: bool | None = option(None, "Hide the progress bar (None: shown).")
     # ---- generation
-    num_generations: int = field(default=8, metadata={"help": "Rollouts per prompt (a group)."})
-    max_completion_length: int = field(default=2048, metadata={
-        "help": "Tokens generated per sampling request at most."})
-    temperature: float = field(default=1.0, metadata={
-        "help": "Sampling temperature; the trainer scores with the same one."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling (only 1.0 here)."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling (only 0 here)."})
-    min_p: float | None = field(default=None, metadata={"help": "Min-p sampling (only None)."})
+    num_generations: int = option(8, "Rollouts per prompt (a group).")
+    max_completion_length: int = option(2048, "Tokens generated per sampling request at most.")
+    temperature: float = option(1.0, "Sampling temperature; the trainer scores with the same one.")
+    top_p: float = option(1.0, "Nucleus sampling (only 1.0 here).")
+    top_k: int = option(0, "Top-k sampling (only 0 here).")
+    min_p: float | None = option(None, "Min-p sampling (only None).")
     chat_template_kwargs: dict | str | None = field(default=None, metadata={
         "help": "Extra keyword arguments for apply_chat_template (a dict or its JSON)."})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={
-        "help": "Tool-calling turns at most (tools arrive in a later release)."})
     # ---- generation server
-    vllm_server_base_url: str = field(default="http://localhost:8000", metadata={
-        "help": "Base URL of the generation server (vLLM or the embedded one)."})
-    vllm_server_timeout: float = field(default=1800.0, metadata={
-        "help": "Seconds to wait for the server, per request and per weight sync."})
+    vllm_server_base_url: str = option(
+        "http://localhost:8000", "Base URL of the generation server (vLLM or the embedded one).")
+    vllm_server_timeout: float = option(
+        1800.0, "Seconds to wait for the server, per request and per weight sync.")
     # ---- loss
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range of the surrogate."})
-    epsilon_high: float | None = field(default=None, metadata={
-        "help": "Upper clip range (None: same as epsilon; DAPO suggests 0.28)."})
-    score_centering: bool = field(default=True, metadata={
-        "help": "Score-centering loss; False uses the clipped surrogate."})
-    vllm_importance_sampling_clip_min: float = field(default=0.5, metadata={
-        "help": "Tokens whose policy/sampler ratio is below this are left out of the loss."})
-    vllm_importance_sampling_clip_max: float = field(default=5.0, metadata={
-        "help": "Tokens whose policy/sampler ratio is above this are left out of the loss."})
-    num_sampler_logprobs: int = field(default=8, metadata={
-        "help": "Top sampler log-probs requested per token, for score centering."})
-    token_budget: int | None = field(default=None, metadata={
-        "help": "Forwarded tokens per micro-batch row at most (None: server max_model_len)."})
+    epsilon: float = option(0.2, "Lower clip range of the surrogate.")
+    epsilon_high: float | None = option(
+        None, "Upper clip range (None: same as epsilon; DAPO suggests 0.28).")
+    score_centering: bool = option(True, "Score-centering loss; False uses the clipped surrogate.")
+    vllm_importance_sampling_clip_min: float = option(
+        0.5, "Tokens whose policy/sampler ratio is below this are left out of the loss.")
+    vllm_importance_sampling_clip_max: float = option(
+        5.0, "Tokens whose policy/sampler ratio is above this are left out of the loss.")
+    num_sampler_logprobs: int = option(
+        8, "Top sampler log-probs requested per token, for score centering.")
+    token_budget: int | None = option(
+        None, "Forwarded tokens per micro-batch row at most (None: server max_model_len).")
     # ---- asynchronous pipeline
-    max_concurrent_rollouts: int = field(default=512, metadata={
-        "help": "Rollouts in flight at most."})
-    max_staleness: int = field(default=4, metadata={
-        "help": "Weight versions a sample may lag at dequeue before it is dropped."})
-    weight_sync_steps: int = field(default=1, metadata={
-        "help": "Optimizer steps between weight syncs to the server."})
-    rollout_worker_timeout: float = field(default=300.0, metadata={
-        "help": "Seconds without a worker heartbeat before the trainer stops it."})
-    log_completions: bool = field(default=False, metadata={
-        "help": "Print sampled completions at each logging step."})
-    num_completions_to_print: int | None = field(default=None, metadata={
-        "help": "How many completions log_completions prints (None: all of a group)."})
+    max_concurrent_rollouts: int = option(512, "Rollouts in flight at most.")
+    max_staleness: int = option(
+        4, "Weight versions a sample may lag at dequeue before it is dropped.")
+    weight_sync_steps: int = option(1, "Optimizer steps between weight syncs to the server.")
+    rollout_worker_timeout: float = option(
+        300.0, "Seconds without a worker heartbeat before the trainer stops it.")
+    log_completions: bool = option(False, "Print sampled completions at each logging step.")
+    num_completions_to_print: int | None = option(
+        None, "How many completions log_completions prints (None: all of a group).")
     # ---- additions of this project
-    embedded_server: bool = field(default=False, metadata={
-        "help": "Start `reprorl serve` on the policy's base model and stop it at the end."})
-    embedded_server_threads: int = field(default=1, metadata={
-        "help": "Torch threads of the embedded server."})
-    embedded_server_max_num_seqs: int = field(default=64, metadata={
-        "help": "Sequences the embedded server decodes together at most."})
-    embedded_server_max_model_len: int | None = field(default=None, metadata={
-        "help": "max_model_len of the embedded server (None: the model's positions)."})
-    synchronous: bool = field(default=False, metadata={
-        "help": "Baseline: generate one step's samples, then train, one version at a time."})
-    vllm_max_retries: int = field(default=3, metadata={
-        "help": "Retries of a failed sampling request before the worker gives up."})
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank of a fresh adapter."})
-    lora_alpha: float = field(default=16.0, metadata={"help": "LoRA alpha of a fresh adapter."})
+    embedded_server: bool = option(
+        False, "Start `reprorl serve` on the policy's base model and stop it at the end.")
+    embedded_server_threads: int = option(1, "Torch threads of the embedded server.")
+    embedded_server_max_num_seqs: int = option(
+        64, "Sequences the embedded server decodes together at most.")
+    embedded_server_max_model_len: int | None = option(
+        None, "max_model_len of the embedded server (None: the model's positions).")
+    synchronous: bool = option(
+        False, "Baseline: generate one step's samples, then train, one version at a time.")
+    vllm_max_retries: int = option(
+        3, "Retries of a failed sampling request before the worker gives up.")
+    lora_rank: int = option(8, "LoRA rank of a fresh adapter.")
+    lora_alpha: float = option(16.0, "LoRA alpha of a fresh adapter.")
 
     def __post_init__(self):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if isinstance(self.chat_template_kwargs, str):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
-        problems = []
+        problems = [*self._step_problems(), *self._choice_problems(), *self._range_problems()]
+        if problems:
+            raise ValueError("AsyncGRPOConfig: " + "; ".join(problems))
+
+    def _step_problems(self):
         for name in ("logging_steps", "save_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                     math.isfinite(value) and value > 0):
-                problems.append(f"{name} must be a number > 0")
+                yield f"{name} must be a number > 0"
             elif value > 1 and value != int(value):
-                problems.append(f"{name} must be a whole number of steps (or, below 1, a "
-                                "fraction of max_steps)")
+                yield (f"{name} must be a whole number of steps (or, below 1, a fraction of "
+                       "max_steps)")
+
+    def _choice_problems(self):
         if self.dtype not in DTYPES:
-            problems.append(f"dtype must be one of {DTYPES}")
+            yield f"dtype must be one of {DTYPES}"
         if self.train_sampling_strategy not in ("random", "sequential"):
-            problems.append("train_sampling_strategy must be 'random' or 'sequential'")
+            yield "train_sampling_strategy must be 'random' or 'sequential'"
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
-            problems.append("optim must be 'adamw_torch_fused' or 'adamw_torch'")
+            yield "optim must be 'adamw_torch_fused' or 'adamw_torch'"
+        if self.lr_scheduler_type not in ("constant", "linear"):
+            yield "lr_scheduler_type must be 'constant' or 'linear'"
+        if self.lr_scheduler_type == "linear" and self.max_steps <= 0:
+            yield ("a linear schedule needs max_steps > 0 (the step count of an epoch is not "
+                   "known in advance)")
         if not self.ignore_data_skip:
-            problems.append("ignore_data_skip=False would replay trained batches: a resume "
-                            "continues from rollout_state.json instead; keep it True")
+            yield ("ignore_data_skip=False would replay trained batches: a resume continues "
+                   "from rollout_state.json instead; keep it True")
         if self.top_p != 1.0 or self.top_k not in (0, -1) or self.min_p not in (None, 0.0):
-            problems.append("top_p/top_k/min_p truncation needs the sampling-mask path, not "
-                            "built yet: keep top_p=1.0, top_k=0, min_p=None")
+            yield ("top_p/top_k/min_p truncation needs the sampling-mask path, not built yet: "
+                   "keep top_p=1.0, top_k=0, min_p=None")
+        if self.synchronous and self.weight_sync_steps != 1:
+            yield "synchronous=True needs weight_sync_steps=1 (one version per step)"
+
+    def _range_problems(self):
         if self.temperature <= 0:
-            problems.append("temperature must be > 0 (the trainer divides logits by it)")
+            yield "temperature must be > 0 (the trainer divides logits by it)"
         if self.num_generations < 2:
-            problems.append("num_generations must be >= 2 (advantages are relative to a group)")
+            yield "num_generations must be >= 2 (advantages are relative to a group)"
         if not 0 < self.vllm_importance_sampling_clip_min <= 1 <= (
                 self.vllm_importance_sampling_clip_max):
-            problems.append("need 0 < vllm_importance_sampling_clip_min <= 1 <= "
-                            "vllm_importance_sampling_clip_max")
-        if self.lr_scheduler_type not in ("constant", "linear"):
-            problems.append("lr_scheduler_type must be 'constant' or 'linear'")
-        if self.lr_scheduler_type == "linear" and self.max_steps <= 0:
-            problems.append("a linear schedule needs max_steps > 0 (the step count of an "
-                            "epoch is not known in advance)")
+            yield ("need 0 < vllm_importance_sampling_clip_min <= 1 <= "
+                   "vllm_importance_sampling_clip_max")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
                      "weight_sync_steps", "max_concurrent_rollouts", "max_completion_length"):
             if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        if self.synchronous and self.weight_sync_steps != 1:
-            problems.append("synchronous=True needs weight_sync_steps=1 (one version per step)")
+                yield f"{name} must be >= 1"
         if self.max_staleness < 0:
-            problems.append("max_staleness must be >= 0")
+            yield "max_staleness must be >= 0"
         if self.score_centering and self.num_sampler_logprobs < 1:
-            problems.append("score_centering needs num_sampler_logprobs >= 1")
-        if problems:
-            raise ValueError("AsyncGRPOConfig: " + "; ".join(problems))
+            yield "score_centering needs num_sampler_logprobs >= 1"
 
     def steps_of(self, name: str) -> int:
         """`logging_steps` or `save_steps` in optimizer steps, resolved when training starts

@@ -1,4 +1,4 @@
-"""GRPO advantages and per-token losses, as pure functions (ARCHITECTURE.md section 6).
+"""GRPO advantages and per-token losses, as pure functions.
 
 Advantages: within a group, each scored reward is standardised, `(r - mean) / (std + 1e-4)`
 with the unbiased std (TRL's GRPO convention); an unscored rollout (NaN) gets 0 and is left

@@ -34,6 +34,11 @@ class MetricsWindow:
         self.values: dict[str, list[float]] = defaultdict(list)
         self.rates: dict[str, list[tuple[float, float]]] = defaultdict(list)
 
+    def clear(self) -> None:
+        """Start the next window (the object stays: others hold it to record into)."""
+        self.values.clear()
+        self.rates.clear()
+
     def add(self, name: str, value: float) -> None:
         if rule(name) == "rate":
             raise ValueError(f"{name} is a rate: record it with add_rate(amount, seconds)")

@@ -6,7 +6,7 @@ sampling request) -> scoring of the complete group -> `compute_advantages` -> th
 samples onto the trainer's queue. Subclass it, override a hook, and set the subclass as the
 trainer's `loop_cls` (define it at module level: the loop is built in the spawned process).
 
-Flow control (ARCHITECTURE.md section 6, the seed's "Concurrency"):
+Flow control (the seed's "Concurrency"):
 - staleness: a new group starts only while queued + in-flight tokens fit the trainer's token
   allowance (`max(max_staleness, 1)` x the tokens of its last step; before the first step,
   full rows); until the first group finishes, one group at a time;
@@ -14,10 +14,12 @@ Flow control (ARCHITECTURE.md section 6, the seed's "Concurrency"):
   max_model_len and adjusted from `/metrics` every 5 s (+25 % below 60 % usage with nothing
   waiting, -30 % above 80 %); `max_concurrent_rollouts` bounds it;
 - `synchronous=True` is the baseline: fill the queue to one step's samples under version v,
-  then wait until the trainer has stepped and synced v+1.
+  then wait until the trainer has stepped and synced v+1 (the worker tells the trainer through
+  `baseline_counters` when its batch is complete).
 Positions count through each epoch's seeded shuffle of the rows. Every position reaches the
 trainer exactly once: as samples, or as a "consumed" marker (filtered prompt, dropped group),
-so the trainer can keep the resume cursor.
+so the trainer can keep the resume cursor; a resumed worker starts at the cursor and skips
+`consumed_after_cursor`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import inspect
 import math
 import os
 import queue
-import sys
+import signal
 import time
 import traceback
 import uuid
@@ -40,6 +42,7 @@ import numpy as np
 
 from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
+from .processes import die_with_parent
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
 _ROLLOUT = contextvars.ContextVar("rollout")  # [rollout key, requests so far]: request seeds
@@ -53,7 +56,6 @@ class TurnRecord:
     output_ids: list[int]
     output_log_probs: list[float] = field(default_factory=list)
     output_mask: list[int] | None = None  # 1 = train on the token (None: all)
-    output_sampling_mask: list[list[int]] | None = None  # top-k/top-p candidates (unused)
     output_sampler_logprobs: list[dict[int, float]] | None = None  # sampler top tokens
     finish_reason: str = "stop"  # "stop" (EOS or stop token) or "length"
 
@@ -65,8 +67,6 @@ class Rollout:
     completion: list[dict[str, Any]]
     completion_ids: list[int]
     turns: list[TurnRecord]
-    tool_call_count: int = 0
-    tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -90,12 +90,9 @@ class RolloutGroup:
     completions: list[list[dict[str, Any]]]
     completions_ids: list[list[int]]
     completions_sequences: list[list[TrainingSequence]]
-    tool_call_counts: list[int]
-    tool_failure_counts: list[int]
     model_version: int
     group_id: int
     row_index: int
-    env_rewards: list[Any]
     rollout_rewards: list[float | None]
     queued_at: float = 0.0
     rewards: np.ndarray | None = None
@@ -220,8 +217,8 @@ class AsyncRolloutLoop:
                  heartbeat_value, failed_event, exception_info_queue, metrics_queue,
                  tools=None, environment_factory=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
-                 queued_tokens=None, queued_samples=None, stop_event=None, skip_positions=(),
-                 sync_state=None):
+                 queued_tokens=None, queued_samples=None, stop_event=None,
+                 consumed_after_cursor=(), baseline_counters=None):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
         self.eos_token_ids = set(eos_token_ids)
@@ -234,8 +231,9 @@ class AsyncRolloutLoop:
         self.lora_name, self.start = lora_name, dataset_start_index
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
         self.stop_event = stop_event
-        self.sync_state = sync_state  # synchronous mode: [batch complete, results put]
-        self.skip_positions = set(skip_positions)
+        # synchronous baseline, shared with the trainer: [batch complete, GroupResults put]
+        self.baseline_counters = baseline_counters
+        self.consumed_after_cursor = set(consumed_after_cursor)  # a resume skips these
         self.request_number = 0
         self.in_flight_groups = 0
         self.in_flight_rollouts = 0
@@ -317,8 +315,8 @@ class AsyncRolloutLoop:
 
     def _put(self, result: GroupResult) -> None:
         self.rollout_buffer.put(result)
-        if self.sync_state is not None:
-            self.sync_state[1] += 1  # results put; the trainer compares with what it got
+        if self.baseline_counters is not None:
+            self.baseline_counters[1] += 1  # the trainer compares it with what it received
 
     def served_name(self, version: int | None = None) -> str:
         if self.lora_name is None:
@@ -405,17 +403,17 @@ class AsyncRolloutLoop:
         return has_room(self.queued_tokens.value, self.in_flight_groups,
                         self.tokens_per_group[-32:], self.token_allowance.value)
 
-    async def _wait_for_room(self, sync_target: list) -> None:
+    async def _wait_for_room(self, batch_start: list) -> None:
         """Wait for the staleness rule (token allowance, or the synchronous baseline's batch)
         and the concurrency cap; only the staleness wait is `rollout/backpressure_s`."""
         held_back = 0.0
         while not self.stopping():
             if self.config.synchronous:
-                room = self._sync_room(sync_target)
+                room = self._baseline_room(batch_start)
                 # the batch is complete once nothing is generating or scoring any more
                 idle = (self.in_flight_groups == 0 and self.score_queue.empty()
                         and not self.scoring)
-                self.sync_state[0] = int(not room and idle)
+                self.baseline_counters[0] = int(not room and idle)
             else:
                 room = self._room_for_group()
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
@@ -428,16 +426,17 @@ class AsyncRolloutLoop:
         if held_back:
             self.record("rollout/backpressure_s", held_back)
 
-    def _sync_room(self, state: list) -> bool:
+    def _baseline_room(self, batch_start: list) -> bool:
         """Baseline: emit one step's samples under version v, then wait until the trainer has
-        stepped and synced v+1. state = [v, samples produced when the batch started]; dropped
-        groups do not count, leftovers of the last batch are extra (trained at staleness 1)."""
+        stepped and synced v+1. batch_start = [v, samples produced when the batch started];
+        dropped groups do not count, leftovers of the last batch are extra (trained at
+        staleness 1)."""
         per_step = self.config.per_device_train_batch_size * (
             self.config.gradient_accumulation_steps)
         version = self.model_version.value
-        if state[0] is None or version > state[0]:
-            state[0], state[1] = version, self.produced_samples
-        in_batch = self.produced_samples - state[1]
+        if batch_start[0] is None or version > batch_start[0]:
+            batch_start[0], batch_start[1] = version, self.produced_samples
+        in_batch = self.produced_samples - batch_start[1]
         return in_batch + self.in_flight_groups * self.config.num_generations < per_step
 
     async def _produce(self) -> None:
@@ -445,13 +444,13 @@ class AsyncRolloutLoop:
         end = None
         if self.config.max_steps <= 0:
             end = math.ceil(self.config.num_train_epochs * rows)
-        position, accepted_in_epoch, sync_state = self.start, 0, [None, 0]
+        position, accepted_in_epoch, batch_start = self.start, 0, [None, 0]
         group_id, tasks = 0, set()
         while not self.stopping() and (end is None or position < end):
             epoch, index = divmod(position, rows)
             if index == 0:
                 accepted_in_epoch = 0
-            if position in self.skip_positions:
+            if position in self.consumed_after_cursor:
                 position += 1
                 continue
             row_index = epoch_order(self.config.data_order_seed, epoch, rows,
@@ -459,7 +458,7 @@ class AsyncRolloutLoop:
             row = self.dataset[row_index]
             if self.filter_prompt(row_index, row, epoch):
                 accepted_in_epoch += 1
-                await self._wait_for_room(sync_state)
+                await self._wait_for_room(batch_start)
                 if self.stopping():
                     break
                 self.in_flight_groups += 1
@@ -540,10 +539,8 @@ class AsyncRolloutLoop:
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
             completions_sequences=sequences,
-            tool_call_counts=[r.tool_call_count for r in rollouts],
-            tool_failure_counts=[r.tool_failure_count for r in rollouts],
             model_version=version, group_id=group_id, row_index=row_index,
-            env_rewards=[None] * len(rollouts), rollout_rewards=[r.reward for r in rollouts],
+            rollout_rewards=[r.reward for r in rollouts],
             position=position,
             truncated=[bool(r.turns) and r.turns[-1].finish_reason != "stop" for r in rollouts],
         )
@@ -593,21 +590,22 @@ class AsyncRolloutLoop:
         totals = np.where(scored, table, 0.0).sum(0)
         group.rewards = np.where(scored.any(0), totals, np.nan)
 
-    def _emit(self, group: RolloutGroup) -> None:
-        rewards = group.rewards
-        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
-        lengths = [len(ids) for ids in group.completions_ids]
+    def _record_completions(self, group: RolloutGroup) -> None:
         for i, ids in enumerate(group.completions_ids):
-            self.record("completions/mean_length", lengths[i])
-            self.record("completions/min_length", lengths[i])
-            self.record("completions/max_length", lengths[i])
-            if not group.truncated[i]:
-                for stat in ("mean", "min", "max"):
-                    self.record(f"completions/{stat}_terminated_length", lengths[i])
+            for stat in ("mean", "min", "max"):
+                self.record(f"completions/{stat}_length", len(ids))
+                if not group.truncated[i]:
+                    self.record(f"completions/{stat}_terminated_length", len(ids))
             self.record("completions/clipped_ratio", float(group.truncated[i]))
             self.record("completions/duplicate_frac", float(ids in group.completions_ids[:i]))
-            if not math.isnan(rewards[i]):
-                self.record("reward", rewards[i])
+            if not math.isnan(group.rewards[i]):
+                self.record("reward", group.rewards[i])
+
+    def _emit(self, group: RolloutGroup) -> None:
+        """Queue the group's samples (or, without signal, a zero_std marker)."""
+        rewards = group.rewards
+        advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
+        self._record_completions(group)
         dropped = group_is_dropped(rewards)
         self.record("frac_reward_zero_std", float(dropped))
         if dropped:
@@ -644,12 +642,9 @@ class AsyncRolloutLoop:
 def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None) -> None:
     """Entry point of the spawned worker process (CPU only, its own event loop)."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if parent_pid is not None and sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with it
-        if os.getppid() != parent_pid:  # the trainer died before prctl took effect
+    if parent_pid is not None:
+        armed = die_with_parent(signal.SIGKILL)  # killed with the trainer, whatever it runs
+        if armed and os.getppid() != parent_pid:  # the trainer died before prctl took effect
             return
     import torch
 

@@ -43,7 +43,7 @@ import torch
 from aiohttp import web
 from torch import nn
 
-from ..lora import PEFT_PREFIX, TARGETS
+from ..lora import PEFT_PREFIX, TARGETS, with_adapter
 
 log = logging.getLogger("reprorl.serve")
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
@@ -66,7 +66,7 @@ class ApiError(Exception):
 
 
 class Switch(nn.Module):
-    """A base linear layer plus whichever adapter is active: `W x + scale * B(A x)` in FP32."""
+    """A base linear layer plus whichever adapter is active (`lora.with_adapter`)."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
@@ -74,11 +74,7 @@ class Switch(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
-        if self.active is None:
-            return result
-        a, b, scale = self.active
-        delta = nn.functional.linear(nn.functional.linear(x.float(), a), b)
-        return (result.float() + scale * delta).to(result.dtype)
+        return result if self.active is None else with_adapter(result, x, *self.active)
 
 
 @dataclass

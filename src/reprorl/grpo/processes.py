@@ -1,0 +1,168 @@
+"""The trainer's child processes: the rollout worker and the embedded generation server.
+
+Both die with the trainer (`die_with_parent`), so a killed trainer leaves neither behind.
+`WorkerHandle` spawns the worker with the GPU hidden, and tells a failed worker (its
+traceback), a dead one (its exit code) and a hung one (no heartbeat) apart; `ServerProcess`
+starts `reprorl serve` and waits for the port file it writes once listening.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send `sig` to this process when its parent dies. Linux only: elsewhere
+    a no-op that returns False."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    return True
+
+
+@contextlib.contextmanager
+def gpu_hidden():
+    """CUDA_VISIBLE_DEVICES="" while a child is spawned (it inherits the environment then):
+    the worker generates over HTTP and must never claim the trainer's GPU."""
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+@dataclass
+class WorkerSignals:
+    """What trainer and worker share besides the samples. The heartbeat is a single-writer
+    value without a lock: a worker killed mid-write cannot leave a lock held."""
+
+    heartbeat: Any  # .value: time.time() of the worker's last beat (the worker writes)
+    failed: Any  # event: the worker raised, after putting its traceback
+    tracebacks: Any  # queue: the worker's formatted traceback
+    stop: Any  # event: the trainer asks the worker to stop
+
+    @classmethod
+    def create(cls, context) -> WorkerSignals:
+        return cls(context.RawValue("d", time.time()), context.Event(), context.Queue(),
+                   context.Event())
+
+    def worker_kwargs(self) -> dict:
+        """Their names among `AsyncRolloutLoop`'s arguments."""
+        return {"heartbeat_value": self.heartbeat, "failed_event": self.failed,
+                "exception_info_queue": self.tracebacks, "stop_event": self.stop}
+
+
+class WorkerHandle:
+    def __init__(self, context, signals: WorkerSignals, timeout: float):
+        self.context, self.signals = context, signals
+        self.timeout = timeout  # seconds without a heartbeat before the worker counts as hung
+        self.process = None
+
+    def start(self, target, args: tuple) -> None:
+        with gpu_hidden():
+            process = self.context.Process(target=target, args=args, name="rollout-worker",
+                                           daemon=True)
+            process.start()
+        self.process = process  # only once started: stop() joins it
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    @property
+    def failed(self) -> bool:
+        """The worker reported an exception."""
+        return self.signals.failed.is_set()
+
+    def failure(self) -> str | None:
+        """Why the worker can no longer deliver, or None while it is healthy."""
+        if self.failed:
+            try:
+                tb = self.signals.tracebacks.get(timeout=5)
+            except queue.Empty:
+                tb = "(no traceback arrived)"
+            return f"the rollout worker failed:\n{tb}"
+        if not self.process.is_alive():
+            return (f"the rollout worker exited with code {self.process.exitcode} without a "
+                    "traceback (killed?)")
+        silent = time.time() - self.signals.heartbeat.value
+        if silent > self.timeout:
+            return (f"the rollout worker sent no heartbeat for {silent:.0f} s (limit "
+                    f"rollout_worker_timeout={self.timeout:g} s): it is hung")
+        return None
+
+    def raise_if_failed(self) -> None:
+        failure = self.failure()
+        if failure:
+            raise RuntimeError(failure)
+
+    def stop(self) -> None:
+        """Ask the worker to stop, then terminate, then kill it, 10 s apart."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        self.signals.stop.set()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+class ServerProcess:
+    """`command` (a `reprorl serve` writing its port to `port_file`) as a child process whose
+    output goes to `log_path`."""
+
+    def __init__(self, command: list[str], port_file: Path, log_path: Path):
+        self.command, self.port_file, self.log_path = command, port_file, log_path
+        self.process: subprocess.Popen | None = None
+        self.log = None
+
+    def start(self, timeout: float) -> str:
+        """Start it and return its URL once it listens."""
+        self.port_file.unlink(missing_ok=True)
+        self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop)
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        preexec_fn=die_with_parent)  # noqa: PLW1509 (a prctl)
+        started = time.monotonic()
+        while not self.port_file.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the embedded server exited with code "
+                                   f"{self.process.returncode}:\n"
+                                   f"{self.log_path.read_text()[-2000:]}")
+            if time.monotonic() - started > timeout:
+                raise TimeoutError(f"the embedded server did not start; see {self.log_path}")
+            time.sleep(0.1)
+        return f"http://127.0.0.1:{int(self.port_file.read_text())}"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+        if self.log is not None:
+            self.log.close()
+            self.log = None

@@ -1,0 +1,127 @@
+"""`SampleQueue`: the trainer's end of the rollout worker's queue, one micro-batch at a time.
+
+The worker puts one `GroupResult` per prompt position; this unit unpacks groups into samples,
+drops a sample more than `max_staleness` weight versions old at dequeue (`is_stale`), and a
+sample longer than the token budget, and hands out micro-batches the batcher accepts. A sample
+that does not fit the micro-batch being filled is carried over to the next one, and judged for
+staleness again then (a step and a weight sync may have passed). Every taken or dropped sample
+leaves the shared queued-token and queued-sample counters at once, not after the step: a step
+that held the whole token allowance would otherwise wait for a group the worker may not start.
+Every arrival, training and drop is entered in the `PositionLedger`.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import time
+
+from .ledger import PositionLedger
+from .metrics import MetricsWindow
+from .rollout import GroupResult, Sample, is_stale
+
+logger = logging.getLogger("reprorl.grpo")
+
+
+class SampleQueue:
+    def __init__(self, groups, ledger: PositionLedger, version, max_staleness: int,
+                 queued_tokens, queued_samples, window: MetricsWindow, *,
+                 check_worker=lambda: None, baseline_counters=None, log=print):
+        self.groups = groups  # the worker's GroupResults (get(timeout=...), queue.Empty)
+        self.ledger = ledger
+        self.version = version  # .value: the newest published weight version
+        self.max_staleness = max_staleness
+        self.queued_tokens, self.queued_samples = queued_tokens, queued_samples  # shared
+        self.window = window
+        self.check_worker = check_worker  # raises when the worker failed, died or hung
+        # synchronous baseline: [the worker's batch is complete, GroupResults it put]
+        self.baseline_counters = baseline_counters
+        self.log = log
+        self.pending: collections.deque[Sample] = collections.deque()
+        self.carried: Sample | None = None
+        self.received = 0  # GroupResults taken off the queue
+        self.exhausted = False  # epoch mode: no position is left to arrive
+        self.wait_s = 0.0  # time spent waiting for groups since take_wait_s()
+
+    def next_microbatch(self, batcher) -> list[Sample]:
+        """Samples for one micro-batch: as many as fit, or fewer when none is waiting any more
+        (empty: nothing arrived, or the run's positions are all consumed)."""
+        samples: list[Sample] = []
+        while len(samples) < batcher.max_samples:  # full: one more group could not change it
+            sample = self._next_sample()
+            if sample is None:
+                return samples
+            oversize = batcher.oversize(sample)
+            self.window.add("batch/dropped_oversize_count", int(oversize))
+            if oversize:
+                logger.warning("dropping a sample of %d tokens: over token_budget=%d",
+                               sample.tokens, batcher.token_budget)
+                self.log(f"warning: dropped a {sample.tokens}-token sample (token_budget "
+                         f"{batcher.token_budget})")
+                self._drop(sample)
+                continue
+            if not batcher.fits(samples, sample):
+                self.carried = sample
+                return samples
+            # queue_size: the scored samples that were waiting, this one included
+            self.window.add("rollout/queue_size", self.queued_samples.value)
+            self._release(sample)
+            samples.append(sample)
+        return samples
+
+    def take_wait_s(self) -> float:
+        """Seconds spent waiting for the worker since the last call."""
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
+
+    def _next_sample(self) -> Sample | None:
+        if self.carried is not None:
+            self.pending.appendleft(self.carried)
+            self.carried = None
+        while True:
+            while self.pending:
+                sample = self.pending.popleft()
+                stale = is_stale(self.version.value, sample.model_version, self.max_staleness)
+                self.window.add("sample/dropped_stale_count", int(stale))  # 0s: always logged
+                if not stale:
+                    return sample
+                self._drop(sample)
+            started = time.monotonic()
+            group = self._next_group()
+            self.wait_s += time.monotonic() - started
+            if group is None:
+                return None
+            self.ledger.arrive(group.position, len(group.samples))
+            self.pending.extend(group.samples)
+
+    def _next_group(self) -> GroupResult | None:
+        while not self.ledger.finished:
+            try:
+                group = self.groups.get(timeout=0.05)
+            except queue.Empty:
+                if self.ledger.all_arrived():
+                    break  # the epoch's last groups are all here: train what is left
+                if self._baseline_batch_complete():
+                    return None  # baseline: the worker's batch is all here, train on it
+                self.check_worker()
+                continue
+            self.received += 1
+            return group
+        self.exhausted = True
+        return None
+
+    def _baseline_batch_complete(self) -> bool:
+        counters = self.baseline_counters
+        return counters is not None and bool(counters[0]) and self.received == counters[1]
+
+    def _release(self, sample: Sample) -> None:
+        """The sample left the queue: it no longer counts against the worker's allowance."""
+        with self.queued_tokens.get_lock():
+            self.queued_tokens.value -= sample.tokens
+        with self.queued_samples.get_lock():
+            self.queued_samples.value -= 1
+
+    def _drop(self, sample: Sample) -> None:
+        self._release(sample)
+        self.ledger.consume(sample.position)

@@ -1,0 +1,320 @@
+"""The GRPO trainer's parts on their own, without any process: the resume ledger, the sample
+queue, the worker handle and the weight versions.
+
+Their inputs are plain stand-ins for what the trainer passes: `queue.Queue` for the worker's
+multiprocessing queues, a locked counter for a shared `multiprocessing.Value`, an object with a
+`.value` for a shared `RawValue`, a recording process object for a spawned one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from reprorl.grpo.batching import PaddedBatcher
+from reprorl.grpo.ledger import PositionLedger
+from reprorl.grpo.metrics import MetricsWindow
+from reprorl.grpo.processes import WorkerHandle, WorkerSignals
+from reprorl.grpo.rollout import GroupResult, Sample, TrainingSequence
+from reprorl.grpo.sample_queue import SampleQueue
+from reprorl.grpo.weights import AdapterVersions
+
+# ---------------------------------------------------------------- the ledger
+
+
+def test_ledger_cursor_waits_for_every_sample_of_a_position():
+    ledger = PositionLedger()
+    ledger.arrive(0, 2)
+    ledger.arrive(1, 1)
+    ledger.consume(1)  # position 1 is done before position 0
+    assert ledger.cursor == 0 and ledger.consumed_after_cursor == {1}
+    ledger.consume(0)
+    assert ledger.cursor == 0  # one sample of position 0 is still out
+    ledger.consume(0)
+    assert ledger.cursor == 2 and ledger.consumed_after_cursor == set()
+    assert ledger.remaining == {}
+
+
+def test_ledger_empty_group_is_consumed_on_arrival():
+    ledger = PositionLedger()
+    ledger.arrive(1, 0)  # filtered or zero-std: consumed beyond the cursor at once
+    assert ledger.cursor == 0 and ledger.state() == {
+        "next_prompt_index": 0, "consumed_after_cursor": [1]}
+    ledger.arrive(0, 0)
+    assert ledger.cursor == 2
+
+
+def test_ledger_all_arrived_and_finished_in_epoch_mode():
+    ledger = PositionLedger(end=3)
+    assert not ledger.all_arrived() and not ledger.finished
+    for position in range(3):
+        ledger.arrive(position, 1)
+    assert ledger.all_arrived() and not ledger.finished  # arrived, not yet trained
+    for position in range(3):
+        ledger.consume(position)
+    assert ledger.finished
+    by_steps = PositionLedger()
+    by_steps.arrive(0, 0)
+    assert not by_steps.all_arrived() and not by_steps.finished  # no end: never
+
+
+def test_ledger_state_round_trip():
+    ledger = PositionLedger(end=10)
+    for position, samples in ((0, 1), (2, 0), (3, 0)):
+        ledger.arrive(position, samples)
+    state = ledger.state()
+    assert state == {"next_prompt_index": 0, "consumed_after_cursor": [2, 3]}
+    resumed = PositionLedger.from_state(state, end=10)
+    assert resumed.cursor == 0 and resumed.consumed_after_cursor == {2, 3}
+    resumed.arrive(0, 1)
+    resumed.consume(0)
+    resumed.arrive(1, 0)
+    assert resumed.cursor == 4  # 0 and 1 now, 2 and 3 from the checkpoint
+    assert not resumed.all_arrived()  # 4..9 are still to come
+
+
+# ---------------------------------------------------------------- the sample queue
+
+
+class Counter:
+    """A shared multiprocessing.Value's interface: `.value` and `get_lock()`."""
+
+    def __init__(self, value: int = 0):
+        self.value, self.lock = value, threading.Lock()
+
+    def get_lock(self):
+        return self.lock
+
+
+def sample(position: int, tokens: int = 4, version: int = 0) -> Sample:
+    ids = list(range(1, tokens + 1))
+    flags = [0] * (tokens - 2) + [1, 1]
+    sequence = TrainingSequence(ids, flags, [-0.5 * f for f in flags], [None] * tokens)
+    return Sample(sequence, 1.0, 1.0, {}, 1.0, {}, version, position, position, 1, tokens,
+                  0.0, "id", "")
+
+
+class Pipeline:
+    """A SampleQueue with its inputs, filled as the worker would fill them."""
+
+    def __init__(self, end=None, max_staleness=1, budget=16, max_samples=4, baseline=None,
+                 patience=3):
+        self.groups, self.version = queue.Queue(), SimpleNamespace(value=0)
+        self.tokens, self.count = Counter(), Counter()
+        self.ledger, self.window, self.messages = PositionLedger(end=end), MetricsWindow(), []
+        self.checks, self.patience = 0, patience  # worker checks before it "fails"
+        self.batcher = PaddedBatcher(budget, max_samples, 1, 0)
+        self.queue = SampleQueue(self.groups, self.ledger, self.version, max_staleness,
+                                 self.tokens, self.count, self.window,
+                                 check_worker=self.check, baseline_counters=baseline,
+                                 log=self.messages.append)
+
+    def check(self):
+        self.checks += 1
+        if self.checks > self.patience:
+            raise RuntimeError("worker gone")
+
+    def put(self, position: int, *samples: Sample) -> None:
+        self.tokens.value += sum(s.tokens for s in samples)
+        self.count.value += len(samples)
+        self.groups.put(GroupResult(position, list(samples), "trained" if samples else "zero"))
+
+    def metrics(self) -> dict:
+        return self.window.reduce()
+
+
+def test_queue_fills_a_microbatch_and_carries_the_sample_that_does_not_fit():
+    p = Pipeline(budget=16, end=1)
+    p.put(0, sample(0), sample(0), sample(0), sample(0, tokens=8))
+    first = p.queue.next_microbatch(p.batcher)
+    assert [s.tokens for s in first] == [4, 4, 4]  # 4 x 8 > 16: the fourth waits
+    assert p.tokens.value == 8 and p.count.value == 1  # taken samples left the counters
+    assert p.queue.carried is not None
+    second = p.queue.next_microbatch(p.batcher)
+    assert [s.tokens for s in second] == [8] and p.tokens.value == 0
+    assert p.metrics()["rollout/queue_size"] == (4 + 3 + 2 + 1) / 4
+    assert p.ledger.remaining == {0: 4}  # taken, not yet trained: the trainer consumes them
+
+
+def test_queue_drops_stale_samples_counting_them_and_freeing_their_position():
+    p = Pipeline(max_staleness=1, end=2)
+    p.put(0, sample(0, version=0), sample(0, version=0))
+    p.put(1, sample(1, version=2))
+    p.version.value = 2  # two versions later: position 0's samples are stale
+    taken = p.queue.next_microbatch(p.batcher)
+    assert [s.position for s in taken] == [1]
+    assert p.metrics()["sample/dropped_stale_count"] == 2
+    assert p.ledger.cursor == 1  # position 0 consumed by its drops
+    assert p.tokens.value == 0 and p.count.value == 0
+
+
+def test_carried_sample_is_judged_stale_again():
+    p = Pipeline(budget=8, max_staleness=0)
+    p.put(0, sample(0), sample(0), sample(0))
+    assert len(p.queue.next_microbatch(p.batcher)) == 2  # 2 x 4 fills the budget of 8
+    p.version.value = 1  # a step and a sync pass: the carried sample is now stale
+    with pytest.raises(RuntimeError, match="worker gone"):  # nothing else ever arrives
+        p.queue.next_microbatch(p.batcher)
+    assert p.metrics()["sample/dropped_stale_count"] == 1
+    assert p.queue.carried is None and p.ledger.remaining == {0: 2}
+
+
+def test_oversize_sample_is_dropped_with_a_warning():
+    p = Pipeline(budget=8, end=1)
+    p.put(0, sample(0, tokens=9), sample(0, tokens=4))
+    taken = p.queue.next_microbatch(p.batcher)
+    assert [s.tokens for s in taken] == [4]
+    assert p.messages == ["warning: dropped a 9-token sample (token_budget 8)"]
+    assert p.metrics()["batch/dropped_oversize_count"] == 1
+
+
+def test_queue_is_exhausted_once_every_position_arrived():
+    p = Pipeline(end=2)
+    p.put(0, sample(0))
+    p.put(1)  # an empty group
+    assert len(p.queue.next_microbatch(p.batcher)) == 1
+    assert p.queue.exhausted and p.checks == 0  # no waiting on the worker for more
+    assert p.queue.next_microbatch(p.batcher) == []
+
+
+def test_queue_returns_what_it_has_when_the_baseline_batch_is_complete():
+    counters = [0, 0]  # [batch complete, GroupResults put], as the worker writes them
+    p = Pipeline(baseline=counters)
+    p.put(0, sample(0))
+    counters[1] = 1
+    with pytest.raises(RuntimeError, match="worker gone"):  # incomplete: it waits on
+        p.queue.next_microbatch(p.batcher)
+    p.put(1, sample(1))
+    counters[:] = [1, 2]
+    assert [s.position for s in p.queue.next_microbatch(p.batcher)] == [1]
+    assert not p.queue.exhausted
+
+
+def test_queue_counts_the_time_it_waited():
+    p = Pipeline(end=1, patience=1000)
+    threading.Timer(0.2, p.put, (0, sample(0))).start()
+    assert len(p.queue.next_microbatch(p.batcher)) == 1
+    assert p.queue.wait_s >= 0.15
+
+
+# ---------------------------------------------------------------- the worker handle
+
+
+class FakeProcess:
+    """A process that records what is done to it; it dies only when `stubborn` allows."""
+
+    def __init__(self, target=None, args=(), name=None, daemon=None, stubborn=0):
+        self.name, self.daemon, self.calls = name, daemon, []
+        self.alive, self.exitcode, self.pid, self.stubborn = False, None, 1234, stubborn
+        self.env_at_start = None
+
+    def start(self):
+        self.env_at_start = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.alive = True
+
+    def is_alive(self):
+        return self.alive
+
+    def join(self, timeout=None):
+        self.calls.append("join")
+        if self.stubborn <= 0:
+            self.alive = False
+        self.stubborn -= 1
+
+    def terminate(self):
+        self.calls.append("terminate")
+
+    def kill(self):
+        self.calls.append("kill")
+        self.stubborn = 0
+
+
+def handle(timeout: float = 30.0, process: FakeProcess | None = None):
+    signals = WorkerSignals(SimpleNamespace(value=time.time()), threading.Event(),
+                            queue.Queue(), threading.Event())
+    context = SimpleNamespace(Process=lambda **kw: process or FakeProcess(**kw))
+    return WorkerHandle(context, signals, timeout), signals
+
+
+def test_worker_is_spawned_with_the_gpu_hidden(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    worker, _ = handle()
+    worker.start(target=print, args=())
+    assert worker.process.env_at_start == "" and worker.process.daemon
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the trainer's own is restored
+    assert worker.pid == 1234 and worker.failure() is None
+
+
+def test_worker_failure_names_traceback_exit_code_or_silence():
+    worker, signals = handle(timeout=30.0)
+    worker.start(target=print, args=())
+    signals.tracebacks.put("Traceback ...\nValueError: boom")
+    signals.failed.set()
+    assert worker.failed
+    with pytest.raises(RuntimeError, match="rollout worker failed:\nTraceback"):
+        worker.raise_if_failed()
+
+    worker, signals = handle()
+    worker.start(target=print, args=())
+    worker.process.alive, worker.process.exitcode = False, -9
+    assert "exited with code -9 without a traceback" in worker.failure()
+
+    worker, signals = handle(timeout=30.0)
+    worker.start(target=print, args=())
+    signals.heartbeat.value = time.time() - 100
+    assert "no heartbeat for 100 s" in worker.failure()
+
+
+def test_worker_stop_escalates_to_terminate_and_kill():
+    worker, signals = handle(process=FakeProcess(stubborn=2))
+    worker.start(target=print, args=())
+    process = worker.process
+    worker.stop()
+    assert signals.stop.is_set() and process.calls == ["join", "terminate", "join", "kill",
+                                                       "join"]
+    assert worker.process is None and worker.pid is None
+    worker.stop()  # stopped already: nothing to do
+
+    polite, _ = handle()
+    polite.start(target=print, args=())
+    process = polite.process
+    polite.stop()
+    assert process.calls == ["join"]
+
+
+# ---------------------------------------------------------------- weight versions
+
+
+class RecordingAdmin:
+    def __init__(self):
+        self.calls = []
+
+    def load_lora_adapter(self, name, path):
+        self.calls.append(("load", name, Path(path).name))
+
+    def unload_lora_adapter(self, name):
+        self.calls.append(("unload", name))
+
+
+def test_adapter_versions_keep_the_newest_live(tmp_path):
+    admin, version = RecordingAdmin(), SimpleNamespace(value=0)
+
+    def export(directory: Path):
+        directory.mkdir(parents=True)
+        (directory / "adapter_model.safetensors").write_text("weights")
+
+    versions = AdapterVersions(admin, tmp_path, "policy", 2, version, export)
+    for n in range(4):
+        transfer_s, sync_s = versions.publish(n)
+        assert 0 <= transfer_s <= sync_s and version.value == n
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
+    assert list(versions.live) == [2, 3]
+    assert admin.calls[:4] == [("load", "policy-v0", "v0"), ("load", "policy-v1", "v1"),
+                               ("load", "policy-v2", "v2"), ("unload", "policy-v0")]
+    assert ("unload", "policy-v1") in admin.calls and ("unload", "policy-v2") not in admin.calls
