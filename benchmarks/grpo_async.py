@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from reprorl import config as configuration
-from reprorl import roles
+from reprorl import exports
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset
@@ -40,7 +40,7 @@ def arm(config: dict, synchronous: bool, steps: int, workdir: Path, reward: str)
     settings.update(max_steps=steps, save_strategy="no", logging_steps=1, disable_tqdm=True,
                     synchronous=synchronous)
     tokenizer = load_tokenizer(config["model"]["path"])
-    actor, _ = roles.load_final("sft", "actor", config)
+    actor, _ = exports.load_final("sft", "actor", config)
     output_dir = workdir / ("sync" if synchronous else "async")
     args = AsyncGRPOConfig(output_dir=str(output_dir), embedded_server=True,
                            dtype=config["model"]["dtype"],

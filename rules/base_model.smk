@@ -1,17 +1,18 @@
+# The embedded base is built by this rule; a local model is only verified by it.
 rule base_model:
     output:
-        **base_model_output(),
+        **stage_output("base_model"),
     log:
-        "logs/base_model.log",
+        layout.log("base_model"),
     benchmark:
-        "outputs/benchmarks/base_model.tsv"
+        layout.benchmark("base_model")
     conda:
         "../workflow/envs/reprorl.yaml"
-    threads: config["threads"]
+    threads: stage_threads("base_model")
     resources:
         mem_mb=4000,
     params:
         code=code_hash("base_model"),
         config=stage_config_json(config, "base_model"),
     shell:
-        stage_command("base_model")
+        STAGE_COMMAND

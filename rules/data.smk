@@ -4,16 +4,16 @@ rule prepare:
     # lists every corpus file with its sha256; downstream rules depend on it and their stages
     # verify each corpus file they read against it.
     output:
-        audit="outputs/data-audit.json",
-        manifest="outputs/manifests/prepare.json",
+        **stage_output("prepare"),
     log:
-        "logs/prepare.log",
+        layout.log("prepare"),
     benchmark:
-        "outputs/benchmarks/prepare.tsv"
+        layout.benchmark("prepare")
     conda:
         "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("prepare")
     params:
         code=code_hash("prepare"),
         config=stage_config_json(config, "prepare"),
     shell:
-        stage_command("prepare")
+        STAGE_COMMAND

@@ -6,105 +6,95 @@ rule reward_test:
     input:
         corpus=rules.prepare.output.manifest,
         model_manifest=rules.base_model.output.manifest,
-        reward=final_checkpoint("reward"),
+        reward=final_files("reward"),
     output:
-        test="outputs/reward-test.json",
-        manifest="outputs/manifests/reward_test.json",
+        **stage_output("reward_test"),
     log:
-        "logs/reward_test.log",
+        layout.log("reward_test"),
     benchmark:
-        "outputs/benchmarks/reward_test.tsv"
+        layout.benchmark("reward_test")
     conda:
         "../workflow/envs/reprorl.yaml"
-    threads: 1
+    threads: stage_threads("reward_test")
     params:
         code=code_hash("reward_test"),
         config=stage_config_json(config, "reward_test"),
     shell:
-        stage_command("reward_test")
+        STAGE_COMMAND
 
 
 rule evaluate:
     input:
         corpus=rules.prepare.output.manifest,
         reward_test=rules.reward_test.output.test,
-        generations=[
-            rules.generate_sft.output.generations,
-            rules.generate_ppo.output.generations,
-            rules.generate_grpo_verifier.output.generations,
-            rules.generate_grpo_learned.output.generations,
-        ],
-        grpo=[rules.grpo_verifier.output.report, rules.grpo_learned.output.report],
-        resume_checks=[
-            rules.sft_resume_check.output.check,
-            rules.reward_resume_check.output.check,
-            rules.ppo_resume_check.output.check,
-        ],
+        generations=[str(layout.generations(policy)) for policy in POLICIES],
+        grpo=[str(layout.grpo_report(run)) for run in GRPO_RUNS],
+        resume_checks=[str(layout.resume_check(branch)) for branch in EXPORTS],
         sft_validation=rules.sft_validation.output.report,
         ppo_sampled=rules.ppo_report.output.report,
     output:
-        results="outputs/results.json",
-        table="outputs/results.md",
-        manifest="outputs/manifests/evaluate.json",
+        **stage_output("evaluate"),
     log:
-        "logs/evaluate.log",
+        layout.log("evaluate"),
     benchmark:
-        "outputs/benchmarks/evaluate.tsv"
+        layout.benchmark("evaluate")
     conda:
         "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("evaluate")
     params:
         code=code_hash("evaluate"),
         config=stage_config_json(config, "evaluate"),
     shell:
-        stage_command("evaluate")
+        STAGE_COMMAND
 
 
 rule exercise:
     input:
         corpus=rules.prepare.output.manifest,
         model_manifest=rules.base_model.output.manifest,
-        reward=final_checkpoint("reward"),
+        reward=final_files("reward"),
+        # hashed before and after: the exercise must leave them as it found them
         results=rules.evaluate.output.results,
+        reward_test=rules.reward_test.output.test,
+        pages=rules.generation_inputs.output.pages,
+        generations=[str(layout.generations(policy)) for policy in POLICIES],
     output:
-        shortcuts="outputs/exercise/reward-shortcuts.json",
-        manifest="outputs/manifests/exercise.json",
+        **stage_output("exercise"),
     log:
-        "logs/exercise.log",
+        layout.log("exercise"),
     benchmark:
-        "outputs/benchmarks/exercise.tsv"
+        layout.benchmark("exercise")
     conda:
         "../workflow/envs/reprorl.yaml"
-    threads: 1
+    threads: stage_threads("exercise")
     params:
         code=code_hash("exercise"),
         config=stage_config_json(config, "exercise"),
     shell:
-        stage_command("exercise")
+        STAGE_COMMAND
 
 
 rule report:
     input:
-        base="outputs/base-model.json",
+        base=rules.base_model.output.summary,
         sft=rules.sft_continuous.output.report,
         reward=rules.reward_continuous.output.report,
         ppo=rules.ppo_report.output.report,
-        grpo_verifier=rules.grpo_verifier.output.metrics,
-        grpo_learned=rules.grpo_learned.output.metrics,
+        grpo=[str(layout.grpo_metrics(run)) for run in GRPO_RUNS],
         results=rules.evaluate.output.results,
         table=rules.evaluate.output.table,
         exercise=rules.exercise.output.shortcuts,
     output:
-        figures=expand("outputs/report/{name}.png", name=REPORT_FIGURES),
-        page="outputs/report/report.html",
-        manifest="outputs/manifests/report.json",
+        **stage_output("report"),
     log:
-        "logs/report.log",
+        layout.log("report"),
     benchmark:
-        "outputs/benchmarks/report.tsv"
+        layout.benchmark("report")
     conda:
         "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("report")
     params:
         code=code_hash("report"),
         config=stage_config_json(config, "report"),
     shell:
-        stage_command("report")
+        STAGE_COMMAND

@@ -1,51 +1,36 @@
 # Async GRPO from the SFT actor on the 672 rollout prompts: the trainer, a spawned rollout
-# worker and the embedded generation server run side by side (threads: 2 gives them the
+# worker and the embedded generation server run side by side (two threads give them the
 # cores). (a) the rubric as an exact verifier on the train families, (b) the frozen learned
 # reward model. Both policies then face the same held-out generation as SFT and PPO.
 
+# what each run's reward needs beyond the prompts: the verifier reads the rollout prompts'
+# situations (in the corpus), the learned reward the frozen reward model
+GRPO_REWARD_INPUTS = {"verifier": {}, "learned": {"reward": final_files("reward")}}
 
-rule grpo_verifier:
-    input:
-        corpus=rules.prepare.output.manifest,
-        model=rules.base_model.output.manifest,
-        sft=rules.sft_resume.output.final,
-    output:
-        **grpo_output("verifier"),
-    log:
-        "logs/grpo_verifier.log",
-    benchmark:
-        "outputs/benchmarks/grpo_verifier.tsv"
-    conda:
-        "../workflow/envs/reprorl.yaml"
-    threads: 2
-    resources:
-        mem_mb=6000,
-    params:
-        code=code_hash("grpo_verifier"),
-        config=stage_config_json(config, "grpo_verifier"),
-    shell:
-        stage_command("grpo_verifier")
+for run in GRPO_RUNS:
+    stage = f"grpo_{run}"
 
-
-rule grpo_learned:
-    input:
-        corpus=rules.prepare.output.manifest,
-        model=rules.base_model.output.manifest,
-        sft=rules.sft_resume.output.final,
-        reward=rules.reward_resume.output.final,
-    output:
-        **grpo_output("learned"),
-    log:
-        "logs/grpo_learned.log",
-    benchmark:
-        "outputs/benchmarks/grpo_learned.tsv"
-    conda:
-        "../workflow/envs/reprorl.yaml"
-    threads: 2
-    resources:
-        mem_mb=6000,
-    params:
-        code=code_hash("grpo_learned"),
-        config=stage_config_json(config, "grpo_learned"),
-    shell:
-        stage_command("grpo_learned")
+    rule:
+        name:
+            stage
+        input:
+            **GRPO_REWARD_INPUTS[run],
+            corpus=rules.prepare.output.manifest,
+            model=rules.base_model.output.manifest,
+            sft=final_files("sft"),
+        output:
+            **stage_output(stage),
+        log:
+            layout.log(stage),
+        benchmark:
+            layout.benchmark(stage)
+        conda:
+            "../workflow/envs/reprorl.yaml"
+        threads: stage_threads(stage)
+        resources:
+            mem_mb=6000,
+        params:
+            code=code_hash(stage),
+            config=stage_config_json(config, stage),
+        shell:
+            STAGE_COMMAND

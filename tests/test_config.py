@@ -29,7 +29,8 @@ def test_defaults_are_filled():
     "raw, message",
     [
         ({"thread": 2}, r"config key \(top level\): Additional properties .*'thread'"),
-        ({"threads": "two"}, "config key threads: 'two' is not of type 'integer'"),
+        ({"pretrain_threads": "two"},
+         "config key pretrain_threads: 'two' is not of type 'integer'"),
         ({"model": {"embedded": {"hidden_size": 0}}},
          "config key model.embedded.hidden_size: 0 is less than the minimum"),
         ({"model": {"source": "hub"}}, "config key model.source: 'hub' is not one of"),

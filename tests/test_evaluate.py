@@ -42,10 +42,10 @@ def _generations(path: Path, texts: list[str]) -> None:
 def test_repeated_probe_identity_check_fails_on_a_tampered_file(tmp_path):
     path = tmp_path / "ppo.json"
     _generations(path, ["Next step: re-enable Wi-Fi."] * 4)
-    generate.check_repeated_probes(path)
+    evaluate.check_repeated_probes(path)
     _generations(path, ["Next step: re-enable Wi-Fi."] * 3 + ["Next step: save it."])
     with pytest.raises(ReproError, match="P-3 and of an earlier row with the same prompt"):
-        generate.check_repeated_probes(path)
+        evaluate.check_repeated_probes(path)
 
 
 def test_evaluation_refuses_missing_or_failed_resume_checks(in_tmp):

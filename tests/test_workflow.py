@@ -60,10 +60,37 @@ def test_full_run_outputs(workflow):
     assert len(curve) == 20
 
 
+def declared_inputs(workdir: Path) -> dict[str, list[str]]:
+    """Every rule's declared inputs, from a forced dry run of the whole DAG."""
+    out = run(workdir, "-n", "-F").stdout
+    found = re.findall(r"^(?:local)?rule (\w+):\n(?:    input: (.*)\n)?", out, flags=re.M)
+    return {rule: inputs.split(", ") if inputs else [] for rule, inputs in found}
+
+
+def test_manifests_record_what_each_stage_read_and_its_rule_declares(workflow):
+    """A manifest's inputs are the files its stage opened; each must be one its rule declares
+    (or lies in a declared folder, or is a corpus or model file behind the declared prepare or
+    base_model manifest), or Snakemake could run the stage before that file exists."""
+    model = configuration.load(workflow / "configs/ci.yaml")["model"]["path"]
+    for rule, inputs in declared_inputs(workflow).items():
+        if rule == "all":
+            continue
+        recorded = read_json(workflow / f"outputs/manifests/{rule}.json")["hashed"]["inputs"]
+        assert recorded or rule in ("prepare", "base_model"), f"{rule} recorded no input"
+        covered = [*inputs]
+        if "outputs/manifests/prepare.json" in inputs:
+            covered.append("data/generated")
+        if "outputs/manifests/base_model.json" in inputs:
+            covered.append(model)
+        for path in recorded:
+            assert any(path == c or path.startswith(c.rstrip("/") + "/") for c in covered), (
+                f"{rule} read {path}, which its rule does not declare")
+
+
 def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
     import torch
 
-    from reprorl import ppo_math
+    from reprorl import objectives
 
     report = read_json(workflow / "outputs/learning/ppo/continuous.json")
     assert report["iterations"] == 100 and report["updates_per_optimizer"] == 200
@@ -76,12 +103,12 @@ def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
                                         "iteration-001.json")["rollouts"]:
         n = len(rollout["response_ids"])
         mask = torch.ones(1, n, dtype=torch.bool)
-        rewards = ppo_math.token_rewards(
+        rewards = objectives.token_rewards(
             torch.tensor([rollout["behaviour_logprobs"]]),
             torch.tensor([rollout["reference_logprobs"]]), mask,
             torch.tensor([rollout["reward_model_score"]]),
             torch.tensor([rollout["finish_reason"] == "cut"]))
-        advantages, returns = ppo_math.gae(rewards, torch.tensor([rollout["values"]]), mask)
+        advantages, returns = objectives.gae(rewards, torch.tensor([rollout["values"]]), mask)
         torch.testing.assert_close(rewards[0].tolist(), rollout["rewards"])
         torch.testing.assert_close(advantages[0].tolist(), rollout["advantages"])
         torch.testing.assert_close(returns[0].tolist(), rollout["returns"])
@@ -157,7 +184,9 @@ def test_audit_target_passes(workflow):
 @pytest.mark.parametrize(
     "module, expected",
     [
-        ("ppo_math.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
+        # the objectives of SFT, the reward model and PPO: everything they start
+        ("objectives.py", WARMSTART | PPO | GRPO | JUDGING),
+        ("ppo.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
         ("report.py", {"report"}),
         ("evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
         # PPO and GRPO start from the warm start
@@ -195,7 +224,8 @@ def test_forcerun_reruns_the_rule_and_exactly_its_dependents(workflow, rule, exp
 
 
 def test_config_edit_reruns_only_its_stage(workflow):
-    assert planned_rules(workflow, "--config", "threads=1") == set()  # threads: not a result
+    # pretrain_threads: not a result
+    assert planned_rules(workflow, "--config", "pretrain_threads=1") == set()
     changed = planned_rules(workflow, "--config", "seed=49", "profile=other")
     assert changed == set()
 
@@ -233,7 +263,8 @@ def test_tampered_corpus_is_named_and_kept(workflow):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--config", "threads=two"), "config key threads: 'two' is not of type 'integer'"),
+        (("--config", "pretrain_threads=two"),
+         "config key pretrain_threads: 'two' is not of type 'integer'"),
         (("--config", "modle={}"), "Additional properties are not allowed ('modle'"),
     ],
 )

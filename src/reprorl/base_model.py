@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from . import layout
 from .corpus import pretraining_texts
 from .encoding import chat_prompt
-from .manifest import ReproError, atomic_directory, files_under, write_json
+from .errors import ModelDirectoryError, ReproError
+from .manifest import atomic_directory, files_under, record_read, write_json
 from .progress import progress
 from .schedule import linear_warmup_decay
 
-SUMMARY_PATH = Path("outputs/base-model.json")
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SYSTEM_PROMPT = "You are a helpful assistant."
 # Qwen2.5's template, reduced to what this project uses (no tools): a default system turn,
@@ -42,10 +43,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-class ModelDirectoryError(ReproError):
-    """The base model directory is missing or is not the architecture the profile expects."""
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -274,12 +271,11 @@ def stage(name: str, config: dict, run, log=print) -> dict:
             )
         built = build_embedded(config, log)
         summary = {"source": "embedded", **verify(config), **built}
-        inputs, outputs = [], [directory]
-    else:
+    else:  # the user's directory is this stage's input, not its output
         summary = {"source": "local", **verify(config)}
-        inputs, outputs = [directory], []
-    write_json(SUMMARY_PATH, summary)
+        record_read(directory)
+    write_json(layout.BASE_MODEL_SUMMARY, summary)
     compact = {k: v for k, v in summary.items() if k != "learning_curve"}
-    run.finish(inputs=inputs, outputs=[*outputs, SUMMARY_PATH], summary=compact)
+    run.finish(summary=compact)
     return compact
 

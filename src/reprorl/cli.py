@@ -12,8 +12,10 @@ import json
 import sys
 
 from . import config as configuration
+from . import layout, stages
 from .codehash import code_hash
-from .manifest import ReproError, StageRun, audit_manifests
+from .errors import ReproError
+from .manifest import StageRun, audit_manifests
 from .stages import STAGES
 
 
@@ -40,11 +42,12 @@ def parser() -> argparse.ArgumentParser:
         source = sub.add_mutually_exclusive_group(required=True)
         source.add_argument("--config", help="YAML profile, e.g. configs/default.yaml")
         source.add_argument("--config-json", help="validated config as JSON (used by rules)")
-        sub.add_argument("--threads", type=int, default=None, help="torch threads")
+        sub.add_argument("--threads", type=int, default=None,
+                         help="torch threads (default: what the stage's rule declares)")
     commands.add_parser("serve", add_help=False,
                         help="vLLM-compatible generation server (reprorl serve --help)")
     audit = commands.add_parser("audit", help="re-hash every file named by every manifest")
-    audit.add_argument("--manifests", default="outputs/manifests")
+    audit.add_argument("--manifests", default=str(layout.MANIFESTS))
     return top
 
 
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
                 config = configuration.load(args.config)
             else:
                 config = configuration.validate(json.loads(args.config_json))
-            result = run_stage(args.command, config, args.threads or config["threads"])
+            threads = args.threads or stages.threads(args.command, config)
+            result = run_stage(args.command, config, threads)
     except ReproError as error:
         print(f"reprorl {args.command}: error: {error}", file=sys.stderr, flush=True)
         return 2

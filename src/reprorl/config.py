@@ -15,15 +15,11 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from .manifest import ReproError
+from .errors import ConfigError
 from .stages import STAGES
 
 SCHEMA_PATH = Path(__file__).with_name("schemas") / "config.schema.yaml"
 
-
-
-class ConfigError(ReproError):
-    """The configuration does not fit the schema."""
 
 
 @cache

@@ -16,20 +16,19 @@ import random
 import tempfile
 from pathlib import Path
 
+from .errors import HeldOutError, PreservedArtifactError, ReproError
+from .layout import CORPUS, CORPUS_MANIFEST, DATA_AUDIT
 from .manifest import (
-    PreservedArtifactError,
-    ReproError,
     atomic_directory,
     files_under,
     read_json,
+    record_read,
     sha256_bytes,
     sha256_file,
     write_json,
 )
 from .rubric import CONTEXTS, evaluate_response, response
 
-CORPUS_DIR = Path("data/generated")
-AUDIT_PATH = Path("outputs/data-audit.json")
 SEED = 49
 FAMILIES, FAMILIES_PER_ACTION, PAIRS_PER_FAMILY = 240, 40, 5
 SPLIT_SIZES = {"train": 28, "validation": 6, "test": 6}  # families per situation
@@ -67,26 +66,28 @@ SCOPES = {
 }
 
 
-class HeldOutError(ReproError):
-    """A stage asked for a corpus file its kind of stage must not see."""
-
-
 def read(name: str, scope: str):
     """One corpus file, if `scope` may see it, after checking its sha256 against the corpus
-    manifest (`data/generated/manifest.json`)."""
+    manifest; recorded as an input of the running stage."""
+    content = _verified(name, scope)
+    record_read(CORPUS / name)
+    return content
+
+
+def _verified(name: str, scope: str):
     if name not in SCOPES[scope]:
         raise HeldOutError(
-            f"a {scope} stage may not read {CORPUS_DIR / name} (held-out discipline); it may "
+            f"a {scope} stage may not read {CORPUS / name} (held-out discipline); it may "
             f"read {sorted(SCOPES[scope])}"
         )
-    path = CORPUS_DIR / name
+    path = CORPUS / name
     if not path.is_file():
         raise ReproError(f"{path} is missing: run the prepare stage (snakemake prepare)")
-    recorded = read_json(CORPUS_DIR / "manifest.json")["files"].get(name)
+    recorded = read_json(CORPUS_MANIFEST)["files"].get(name)
     if sha256_file(path) != recorded:
         raise ReproError(
-            f"{path} does not match the sha256 in {CORPUS_DIR / 'manifest.json'}: the corpus "
-            "was modified; restore it (or move data/generated away and rerun prepare)"
+            f"{path} does not match the sha256 in {CORPUS_MANIFEST}: the corpus "
+            f"was modified; restore it (or move {CORPUS} away and rerun prepare)"
         )
     content = read_json(path)
     if scope in LEARNING_SCOPES:
@@ -102,7 +103,8 @@ def refuse_held_out(path: Path, rows: list[dict], scope: str) -> None:
     """Second line of the held-out discipline, behind the scopes: a file a learning stage reads
     must not hold a test or probe row (same prompt or document id), even under a manifest that
     vouches for it (a generator that leaked them would sign its own output)."""
-    pages = read("input/pages.json", "evaluation")  # looked at here, never handed out
+    # looked at here, never handed out (nor recorded as an input of the learning stage)
+    pages = _verified("input/pages.json", "evaluation")
     held_out = {key for r in pages if r["split"] in HELD_OUT_SPLITS
                 for key in (r["prompt"], r["document_id"])}
     leaked = [r.get("document_id") or r.get("prompt") for r in rows
@@ -111,7 +113,7 @@ def refuse_held_out(path: Path, rows: list[dict], scope: str) -> None:
         raise HeldOutError(
             f"{path} holds {len(leaked)} held-out (test or probe) row(s), e.g. {leaked[0]!r}: "
             f"a {scope} stage must never see them; fix the corpus generator's splits and "
-            "regenerate the corpus (move data/generated away, then snakemake prepare)")
+            "regenerate the corpus (move {CORPUS} away, then snakemake prepare)")
 
 
 def digest(text: str) -> str:
@@ -327,7 +329,7 @@ def audit(corpus: dict[str, list[dict]]) -> dict:
     }
 
 
-def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORPUS_DIR) -> None:
+def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORPUS) -> None:
     """Write the seed's file contract into `root` in one atomic directory move."""
     labels = {row["document_id"]: row for row in corpus["gold"]}
     with atomic_directory(root) as scratch:
@@ -366,7 +368,7 @@ def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORP
 def stage(name: str, config: dict, run, log=print) -> dict:
     """Stage `prepare`: generate and audit the corpus; write it unless it is already there.
 
-    The corpus is preserved: an existing `data/generated` is never overwritten. If it holds
+    The corpus is preserved: an existing corpus folder is never overwritten. If it holds
     exactly what this code generates, it is kept and re-recorded; if it differs in any byte, the
     stage stops and names the first differing file. For that reason the Snakemake rule declares
     only the manifest and the audit file as outputs (Snakemake deletes declared outputs before
@@ -380,25 +382,25 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         )
     corpus = generate(SEED)
     summary = audit(corpus)
-    if CORPUS_DIR.exists() and files_under(CORPUS_DIR):
+    if CORPUS.exists() and files_under(CORPUS):
         with tempfile.TemporaryDirectory() as scratch:
             fresh = Path(scratch) / "generated"
             write_corpus(corpus, summary, fresh)
             expected = {p.relative_to(fresh): sha256_file(p) for p in files_under(fresh)}
-        present = {p.relative_to(CORPUS_DIR): sha256_file(p) for p in files_under(CORPUS_DIR)}
+        present = {p.relative_to(CORPUS): sha256_file(p) for p in files_under(CORPUS)}
         for name in sorted(set(expected) | set(present)):
             if expected.get(name) != present.get(name):
                 raise PreservedArtifactError(
-                    f"{CORPUS_DIR / name} is not what this code generates "
+                    f"{CORPUS / name} is not what this code generates "
                     f"({'missing' if name not in present else 'different or extra'}), and the "
-                    f"corpus is preserved, so nothing was overwritten. Move {CORPUS_DIR} away to "
+                    f"corpus is preserved, so nothing was overwritten. Move {CORPUS} away to "
                     "generate a new revision, or restore the original file."
                 )
-        log(f"{CORPUS_DIR} already holds this exact corpus: kept as it is")
+        log(f"{CORPUS} already holds this exact corpus: kept as it is")
     else:
         write_corpus(corpus, summary)
-        log(f"corpus written to {CORPUS_DIR}: {summary['pairs_by_split']} pairs, "
+        log(f"corpus written to {CORPUS}: {summary['pairs_by_split']} pairs, "
             f"{summary['probe_rows']} probe rows")
-    write_json(AUDIT_PATH, summary)
-    run.finish(inputs=[], outputs=[CORPUS_DIR, AUDIT_PATH], summary=summary)
+    write_json(DATA_AUDIT, summary)
+    run.finish(inputs=[], outputs=[CORPUS, DATA_AUDIT], summary=summary)
     return summary

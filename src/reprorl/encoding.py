@@ -18,13 +18,15 @@ from pathlib import Path
 
 import torch
 
-from .manifest import ReproError
+from .errors import ReproError
+from .manifest import record_read
 
 
 def load_tokenizer(model_path: str | Path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    record_read(model_path)
     tokenizer.padding_side = "left"
     if tokenizer.eos_token_id is None or tokenizer.pad_token_id is None:
         raise ReproError(f"the tokenizer in {model_path} lacks an eos or pad token")

@@ -21,27 +21,28 @@ from pathlib import Path
 
 import torch
 
-from . import corpus
+from . import corpus, layout
 from .encoding import collate, example, load_tokenizer
-from .generate import POLICIES, check_repeated_probes
-from .manifest import ReproError, atomic_write_text, read_json, sha256_file, write_json
-from .roles import CHECKPOINTS, learned_identity, load_final
+from .errors import ReproError
+from .exports import load_final
+from .manifest import (
+    atomic_write_text,
+    read_input,
+    read_json,
+    record_read,
+    sha256_file,
+    write_json,
+)
+from .roles import learned_identity
 from .rubric import evaluate_response
-from .stages import STAGES
+from .stages import EXPORTS, GRPO_RUNS, POLICIES, STAGES
 
-RESULTS, RESULTS_MD = Path("outputs/results.json"), Path("outputs/results.md")
-REWARD_TEST = Path("outputs/reward-test.json")
-EXERCISE = Path("outputs/exercise/reward-shortcuts.json")
-SFT_VALIDATION = Path("outputs/learning/sft/validation-greedy.json")
-PPO_SAMPLED = Path("outputs/learning/ppo/rollout-rubric.json")
-GRPO_RUNS = {run: Path(f"outputs/learning/grpo/{run}.json") for run in ("verifier", "learned")}
 SCORE_NAME = "predicted simulated preference"
 SCOPE = ("Synthetic finite grammar and simulated preferences; no human study. The learned score "
          "is a predicted simulated preference, not utility or satisfaction. Prose outside the "
          "rubric's grammar is UNCERTIFIED (never a success, not necessarily wrong). The 80 probe "
          "rows hold 20 unique contexts, and the 260 rows per policy hold 200 unique contexts: "
          "rows are not independent situations.")
-RESUME_CHECKS = ("sft", "reward", "ppo")
 UPSTREAM_STAGES = [name for name in STAGES
                    if name not in ("evaluate", "exercise", "report", "audit")]
 
@@ -81,7 +82,7 @@ def reward_test(config: dict) -> dict:
               "reward_checkpoint": meta["sha256"], "used_for_selection": False, "rows": rows}
     if result["pairs"] != 180:
         raise ReproError(f"expected 180 test pairs, found {result['pairs']}")
-    write_json(REWARD_TEST, result)
+    write_json(layout.REWARD_TEST, result)
     return {k: v for k, v in result.items() if k != "rows"}
 
 
@@ -136,11 +137,21 @@ def populations(rows: list[dict]) -> dict[str, list[dict]]:
             "all_unique_contexts": unique(rows)}
 
 
+def check_repeated_probes(path: str | Path) -> None:
+    """Re-check a generation file: every row of one prompt has the same generation."""
+    seen = {}
+    for row in read_input(path)["rows"]:
+        prompt, generation = row["page"]["prompt"], row["generation"]
+        if seen.setdefault(prompt, generation) != generation:
+            raise ReproError(f"{path}: the generations of {row['page']['document_id']} and of "
+                             "an earlier row with the same prompt differ; regenerate it")
+
+
 def evaluate_policy(policy: str, gold: dict) -> dict:
-    path = Path(f"outputs/inference/{policy}.json")
+    path = layout.generations(policy)
     check_repeated_probes(path)
     rows = []
-    for item in read_json(path)["rows"]:
+    for item in read_input(path)["rows"]:
         page = item["page"]
         rows.append({"document_id": page["document_id"], "split": page["split"],
                      "prompt": page["prompt"], "text": item["generation"]["text"],
@@ -155,12 +166,12 @@ def evaluate_policy(policy: str, gold: dict) -> dict:
 
 def resume_checks() -> dict:
     checks = {}
-    for branch in RESUME_CHECKS:
-        path = Path(f"outputs/learning/{branch}/resume-check.json")
+    for branch in EXPORTS:
+        path = layout.resume_check(branch)
         if not path.is_file():
             raise ReproError(f"{path} is missing: results need every resume check "
                              f"(snakemake {branch}_resume_check)")
-        status = read_json(path)["status"]
+        status = read_input(path)["status"]
         if status != "PASS":
             raise ReproError(f"{path} says {status}: no results from a failed resume check")
         checks[branch] = {"status": status, "sha256": sha256_file(path)}
@@ -173,7 +184,7 @@ def stage_timings() -> dict:
     run to run, so results.json is hashed for integrity, not compared across runs; every
     learned artifact is."""
     keys = ("wall_seconds", "peak_rss_mb")
-    return {stage: {k: read_json(f"outputs/manifests/{stage}.json")["run"].get(k) for k in keys}
+    return {stage: {k: read_json(layout.manifest(stage))["run"].get(k) for k in keys}
             for stage in UPSTREAM_STAGES}
 
 
@@ -185,17 +196,19 @@ def evaluate(config: dict, policies: list[str]) -> dict:
         "scope": SCOPE,
         "learned_score_name": SCORE_NAME,
         "resume_checks": checks,
-        "reward_model_test": {k: v for k, v in read_json(REWARD_TEST).items() if k != "rows"},
-        "sft_validation": {k: v for k, v in read_json(SFT_VALIDATION).items() if k != "rows"},
-        "ppo_sampled_responses": {k: v for k, v in read_json(PPO_SAMPLED).items()
+        "reward_model_test": {k: v for k, v in read_input(layout.REWARD_TEST).items()
+                              if k != "rows"},
+        "sft_validation": {k: v for k, v in read_input(layout.SFT_VALIDATION).items()
+                           if k != "rows"},
+        "ppo_sampled_responses": {k: v for k, v in read_input(layout.PPO_SAMPLED).items()
                                   if k != "iterations"},
-        "grpo_training": {run: read_json(path) for run, path in GRPO_RUNS.items()},
+        "grpo_training": {run: read_input(layout.grpo_report(run)) for run in GRPO_RUNS},
         "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
         "stage_timings": stage_timings(),
     }
     validate_results(results)
-    write_json(RESULTS, results)
-    atomic_write_text(RESULTS_MD, markdown(results))
+    write_json(layout.RESULTS, results)
+    atomic_write_text(layout.RESULTS_TABLE, markdown(results))
     headline = {}
     for policy, result in results["policies"].items():
         test = result["metrics"]["test_rows"]
@@ -282,12 +295,13 @@ def markdown(results: dict) -> str:
 
 
 def protected_files() -> list[Path]:
-    files = [CHECKPOINTS / "reward-final.safetensors", CHECKPOINTS / "reward-final.json",
-             RESULTS, REWARD_TEST]
-    return files + sorted(Path("outputs/inference").glob("*.json"))
+    """What the exercise must leave as it found it (hashed before and after)."""
+    return [*layout.final_files("reward"), layout.RESULTS, layout.REWARD_TEST,
+            layout.GENERATION_PAGES, *map(layout.generations, POLICIES)]
 
 
 def exercise(config: dict) -> dict:
+    record_read(*protected_files())
     before = {str(p): sha256_file(p) for p in protected_files()}
     tokenizer = load_tokenizer(config["model"]["path"])
     reward, meta = load_final("reward", "reward", config)
@@ -335,28 +349,21 @@ def exercise(config: dict) -> dict:
         "note": f"scores are the frozen reward model's {SCORE_NAME}; a politeness gain is "
                 "not evidence that PPO exploits it: read the policies' outputs too",
     }
-    write_json(EXERCISE, result)
+    write_json(layout.EXERCISE, result)
     return {k: v for k, v in result.items() if k not in ("contexts_detail", "rows",
                                                          "hashes_unchanged")}
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
-    labels = [corpus.CORPUS_DIR / "input/pages.json", corpus.CORPUS_DIR / "labels/gold.json"]
-    reward = [CHECKPOINTS / "reward-final.safetensors", CHECKPOINTS / "reward-final.json"]
     if name == "reward_test":
         summary = reward_test(config)
-        run.finish(inputs=[*labels, *reward], outputs=[REWARD_TEST], summary=summary)
     elif name == "exercise":
         summary = exercise(config)
-        run.finish(inputs=[*labels, *protected_files()], outputs=[EXERCISE], summary=summary)
     else:
-        summary = evaluate(config, list(POLICIES))
-        # the upstream manifests are read for their run sections (timings) only; they are not
-        # inputs of the results: re-running an upstream stage to identical outputs must not
+        # the upstream manifests are read for their run sections (timings) only, so they are
+        # not recorded as inputs: re-running an upstream stage to identical outputs must not
         # make the audit call the results stale
-        inputs = [*labels, REWARD_TEST, SFT_VALIDATION, PPO_SAMPLED, *GRPO_RUNS.values(),
-                  *[f"outputs/inference/{p}.json" for p in POLICIES],
-                  *[f"outputs/learning/{b}/resume-check.json" for b in RESUME_CHECKS]]
-        run.finish(inputs=inputs, outputs=[RESULTS, RESULTS_MD], summary=summary)
+        summary = evaluate(config, list(POLICIES))
+    run.finish(summary=summary)
     log(str(summary))
     return summary

@@ -12,26 +12,18 @@ The four probe rows of a context share one prompt; their greedy answers must be 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
-from . import corpus
+from . import corpus, layout
 from .encoding import Example, collate, load_tokenizer, prompt_ids
-from .manifest import ReproError, peak_rss_mb, read_json, write_json
+from .errors import HeldOutError, ReproError
+from .exports import load_final
+from .manifest import peak_rss_mb, read_input, write_json
 from .progress import progress
-from .roles import CHECKPOINTS, load_final
 from .sampling import response_text, sample
 
-PAGES = Path("outputs/inference/pages.json")
 ROWS, DISTINCT_PROMPTS = 260, 200
-# policy -> the name of its final actor export
-POLICIES = {"sft": "sft", "ppo": "ppo", "grpo_verifier": "grpo_verifier",
-            "grpo_learned": "grpo_learned"}
-# what generation must not see (relative to its working directory)
-FORBIDDEN = ("data/generated/labels", "data/generated/manifest.json", "outputs/learning",
-             "assets/grpo",
-             "outputs/reward-test.json", "outputs/results.json", "outputs/exercise")
 
 
 def generation_inputs() -> dict:
@@ -40,26 +32,26 @@ def generation_inputs() -> dict:
     if len(pages) != ROWS or len({r["prompt"] for r in pages}) != DISTINCT_PROMPTS:
         raise ReproError(f"expected {ROWS} test+probe rows with {DISTINCT_PROMPTS} distinct "
                          f"prompts, found {len(pages)}")
-    write_json(PAGES, pages)
+    write_json(layout.GENERATION_PAGES, pages)
     return {"rows": len(pages), "distinct_prompts": DISTINCT_PROMPTS}
 
 
 def assert_isolated() -> None:
-    visible = [name for name in FORBIDDEN if Path(name).exists()]
+    visible = [str(path) for path in layout.HIDDEN_FROM_GENERATION if path.exists()]
     if visible:
-        raise corpus.HeldOutError(
+        raise HeldOutError(
             f"generation can see {visible}; it must run where only its inputs exist: use "
             "the Snakemake rule (shadow: minimal), or a folder holding only "
-            f"{PAGES}, the model and the checkpoints"
+            f"{layout.GENERATION_PAGES}, the model and the checkpoints"
         )
 
 
 @torch.no_grad()
 def generate(config: dict, policy: str, log=print) -> dict:
     assert_isolated()
-    pages = read_json(PAGES)
+    pages = read_input(layout.GENERATION_PAGES)
     tokenizer = load_tokenizer(config["model"]["path"])
-    actor, actor_meta = load_final(POLICIES[policy], "actor", config)
+    actor, actor_meta = load_final(policy, "actor", config)
     reference, reference_meta = load_final("sft", "reference", config)
     reward, reward_meta = load_final("reward", "reward", config)
     limits, eos, pad = config["limits"], tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -101,34 +93,18 @@ def generate(config: dict, policy: str, log=print) -> dict:
         "checkpoints": {"actor": actor_meta["sha256"], "reference": reference_meta["sha256"],
                         "reward": reward_meta["sha256"]},
     }
-    write_json(f"outputs/inference/{policy}.json", result)
+    write_json(layout.generations(policy), result)
     return {"policy": policy, "rows": len(rows), "seconds": seconds,
             "peak_rss_mb": peak_rss_mb()}
-
-
-def check_repeated_probes(path: str | Path) -> None:
-    """Re-check a generation file: every row of one prompt has the same generation."""
-    seen = {}
-    for row in read_json(path)["rows"]:
-        prompt, generation = row["page"]["prompt"], row["generation"]
-        if seen.setdefault(prompt, generation) != generation:
-            raise ReproError(f"{path}: the generations of {row['page']['document_id']} and of "
-                             "an earlier row with the same prompt differ; regenerate it")
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     if name == "generation_inputs":
         summary = generation_inputs()
-        run.finish(inputs=[corpus.CORPUS_DIR / "input/pages.json"], outputs=[PAGES],
-                   summary=summary)
+        run.finish(summary=summary)
         return summary
     policy = name.removeprefix("generate_")
     summary = generate(config, policy, log)
-    inputs = [PAGES, config["model"]["path"],
-              *[CHECKPOINTS / f"{n}-final.{e}" for n in {POLICIES[policy], "sft", "reward"}
-                for e in ("safetensors", "json")]]
-    run.finish(inputs=sorted(map(str, inputs)),
-               outputs=[f"outputs/inference/{policy}.json"],
-               summary={"policy": policy, "rows": summary["rows"]},
+    run.finish(summary={"policy": policy, "rows": summary["rows"]},
                run_info={"seconds": summary["seconds"], "peak_rss_mb": summary["peak_rss_mb"]})
     return summary

@@ -17,19 +17,19 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 
 import torch
 
-from . import corpus, roles
+from . import corpus, layout, roles
 from .encoding import Example, collate, load_tokenizer, prompt_ids
+from .errors import ReproError
+from .exports import load_final, save_final, verified_final
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from .manifest import ReproError, peak_rss_mb, refuse_to_overwrite, write_json
+from .manifest import atomic_write_bytes, peak_rss_mb, refuse_to_overwrite, write_json
 from .rubric import evaluate_response
 
 ROLLOUT_PROMPTS = 672
-RUNS = ("verifier", "learned")
-LEARNING_DIR = Path("outputs/learning/grpo")
+PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
 
 
 class RubricVerifier:
@@ -67,7 +67,7 @@ class LearnedReward:
     @torch.inference_mode()
     def __call__(self, prompts, completion_ids, **kwargs):
         if self.role is None:
-            self.role, _ = roles.load_final("reward", "reward", self.config)
+            self.role, _ = load_final("reward", "reward", self.config)
             self.tokenizer = load_tokenizer(self.config["model"]["path"])
         eos, limits = self.tokenizer.eos_token_id, self.config["limits"]
         examples = [Example(str(i), tuple(prompt_ids(self.tokenizer, p[-1]["content"], limits)),
@@ -78,7 +78,7 @@ class LearnedReward:
 
 
 def dataset(run: str) -> list[dict]:
-    pages = corpus.read("train/pages.json", "learning")
+    pages = corpus.read(PROMPTS, "learning")
     if len(pages) != ROLLOUT_PROMPTS or any(p["population"] != "rollout" for p in pages):
         raise ReproError(f"expected the {ROLLOUT_PROMPTS} rollout prompts, found {len(pages)}")
     rows = [{"prompt": [{"role": "user", "content": p["prompt"]}],
@@ -96,17 +96,18 @@ def dataset(run: str) -> list[dict]:
 def train(config: dict, run: str, log=print) -> dict:
     settings, limits = dict(config["grpo"]), config["limits"]
     cut_penalty, server_url = settings.pop("cut_penalty"), settings.pop("vllm_server_base_url")
-    output_dir = Path(f"assets/grpo/{run}")
+    output_dir = layout.grpo_output_dir(run)
     tokenizer = load_tokenizer(config["model"]["path"])
     rows = dataset(run)
     reward = (RubricVerifier(tokenizer.eos_token_id) if run == "verifier"
               else LearnedReward(config, cut_penalty))
     if run == "learned":  # the worker loads it; checked here so a bad file fails first
-        roles.verified_final("reward")
-    actor, sft_meta = roles.load_final("sft", "actor", config)
+        verified_final("reward")
+    actor, sft_meta = load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
-    for suffix in ("-final.safetensors", "-final.json", "-peft"):  # inputs sound: now outputs
-        refuse_to_overwrite(roles.CHECKPOINTS / f"grpo_{run}{suffix}")
+    policy = f"grpo_{run}"
+    for path in (*layout.final_files(policy), layout.peft(policy)):  # inputs sound: outputs
+        refuse_to_overwrite(path)
     shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
@@ -127,7 +128,7 @@ def train(config: dict, run: str, log=print) -> dict:
         raise ReproError(f"GRPO ({run}) took {result.global_step} steps but left the actor "
                          "unchanged")
     identity = {"run": run, "sft": sft_meta["sha256"], "grpo": settings}
-    roles.save_final(actor, f"grpo_{run}", identity, config)
+    save_final(actor, policy, identity, config)
     shutil.rmtree(output_dir / ".vllm_lora", ignore_errors=True)  # a serving cache only
     (output_dir / "server.port").unlink(missing_ok=True)
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
@@ -154,28 +155,14 @@ def train(config: dict, run: str, log=print) -> dict:
         "note": "sampled at temperature 1 during training; an async run is not bitwise "
                 "reproducible (which version served which request depends on timing)",
     }
-    LEARNING_DIR.mkdir(parents=True, exist_ok=True)
-    write_json(LEARNING_DIR / f"{run}.json", summary)
-    shutil.copyfile(output_dir / "metrics.jsonl", LEARNING_DIR / f"{run}-metrics.jsonl")
+    write_json(layout.grpo_report(run), summary)
+    atomic_write_bytes(layout.grpo_metrics(run), (output_dir / "metrics.jsonl").read_bytes())
     return summary
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
-    which = name.removeprefix("grpo_")
-    summary = train(config, which, log)
-    final = roles.CHECKPOINTS / f"grpo_{which}"
-    inputs = [corpus.CORPUS_DIR / "train/pages.json", config["model"]["path"],
-              roles.CHECKPOINTS / "sft-final.safetensors"]
-    if which == "verifier":
-        inputs.append(corpus.CORPUS_DIR / "labels/rollouts.json")
-    else:
-        inputs.append(roles.CHECKPOINTS / "reward-final.safetensors")
+    summary = train(config, name.removeprefix("grpo_"), log)
     run.finish(
-        inputs=sorted(map(str, inputs)),
-        outputs=[f"{final}-final.safetensors", f"{final}-final.json", f"{final}-peft",
-                 LEARNING_DIR / f"{which}.json", LEARNING_DIR / f"{which}-metrics.jsonl",
-                 f"assets/grpo/{which}"],
         summary={k: summary[k] for k in ("run", "steps", "first_windows", "last_windows")},
         run_info={"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()})
     return {k: summary[k] for k in ("run", "steps", "seconds", "last_windows")}
-

@@ -6,6 +6,9 @@ Every artifact is written to a temporary name in its final directory and moved i
 A stage manifest (`outputs/manifests/<stage>.json`) has two parts:
 - `hashed`: what must be identical when the stage is rebuilt from the same inputs (sha256 of every
   input and output file, the code hash, the config subset, library versions);
+  the inputs are the files the stage actually opened: every reader of an input (`corpus.read`,
+  the final-export and resume-state loaders, the tokenizer and model loaders, `read_input`)
+  records its path with `record_read`; the outputs are the stage's entry in `layout.outputs`;
 - `run`: what legitimately varies between runs (wall time, peak memory, host, start time).
 `audit_manifests` re-hashes every file named in `hashed` and stops at the first difference.
 """
@@ -24,18 +27,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-MANIFEST_DIR = Path("outputs/manifests")
+from . import layout
+from .errors import AuditError, PreservedArtifactError, ReproError
+
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake")
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp/mkdtemp create private files; finals get normal modes
-
-
-class ReproError(RuntimeError):
-    """A refusal with one clear message: what is wrong and what to do about it."""
-
-
-class PreservedArtifactError(ReproError):
-    """A stage was asked to overwrite an artifact that must be preserved."""
 
 
 def refuse_to_overwrite(path: str | os.PathLike) -> None:
@@ -44,10 +41,6 @@ def refuse_to_overwrite(path: str | os.PathLike) -> None:
         raise PreservedArtifactError(
             f"{path} exists and checkpoints are preserved; delete it to retrain (Snakemake "
             "does so itself when the rule must rerun)")
-
-
-class AuditError(ReproError):
-    """A file no longer has the sha256 its manifest recorded."""
 
 
 # ---------------------------------------------------------------- hashing
@@ -129,6 +122,22 @@ def read_json(path: str | os.PathLike) -> Any:
         return json.load(handle)
 
 
+# ---------------------------------------------------------------- what a stage read
+
+_READS: set[str] = set()  # one stage per process: StageRun empties it when the stage starts
+
+
+def record_read(*paths: str | os.PathLike) -> None:
+    """Name files (or folders) the running stage read, for its manifest's inputs."""
+    _READS.update(Path(path).as_posix() for path in paths)
+
+
+def read_input(path: str | os.PathLike) -> Any:
+    """A JSON input of the stage: read, and recorded for its manifest."""
+    record_read(path)
+    return read_json(path)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a scratch directory that becomes `path` only if the block finishes.
@@ -181,17 +190,15 @@ def peak_rss_mb() -> float:
     return max(own, children) / 1024.0  # ru_maxrss is in KiB on Linux
 
 
-def manifest_path(stage: str) -> Path:
-    return MANIFEST_DIR / f"{stage}.json"
-
-
 class StageRun:
     """Times a stage and, on success, writes its manifest last (after every output).
 
     Usage:
-        with StageRun("prepare", config=subset, code_hash=h) as run:
-            ...write outputs...
-            run.finish(inputs=[...], outputs=[...], extra={...})
+        with StageRun("sft_resume", config=subset, code_hash=h) as run:
+            ...read inputs through the recording readers, write outputs...
+            run.finish(summary={...}, run_info={...})
+
+    `inputs` defaults to what the stage recorded reading, `outputs` to its `layout.outputs`.
     """
 
     def __init__(self, stage: str, *, config: dict, code_hash: str):
@@ -200,6 +207,7 @@ class StageRun:
         self.manifest: dict | None = None
 
     def __enter__(self) -> StageRun:
+        _READS.clear()
         self.started = time.perf_counter()
         self.started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         return self
@@ -207,11 +215,17 @@ class StageRun:
     def finish(
         self,
         *,
-        inputs: Iterable[str | os.PathLike],
-        outputs: Iterable[str | os.PathLike],
         summary: dict | None = None,
         run_info: dict | None = None,
+        inputs: Iterable[str | os.PathLike] | None = None,
+        outputs: Iterable[str | os.PathLike] | None = None,
     ) -> dict:
+        if inputs is None:
+            inputs = sorted(_READS)
+        if outputs is None:
+            declared = layout.outputs(self.stage, self.config)
+            declared.pop("manifest")
+            outputs = [p for v in declared.values() for p in (v if isinstance(v, list) else [v])]
         hashed = {
             "stage": self.stage,
             "code_sha256": self.code_hash,
@@ -229,7 +243,7 @@ class StageRun:
             **(run_info or {}),
         }
         self.manifest = {"hashed": hashed, "hashed_sha256": sha256_json(hashed), "run": run}
-        write_json(manifest_path(self.stage), self.manifest)
+        write_json(layout.manifest(self.stage), self.manifest)
         return self.manifest
 
     def __exit__(self, kind, value, traceback) -> None:
@@ -240,7 +254,7 @@ class StageRun:
 # ---------------------------------------------------------------- audit
 
 
-def audit_manifests(directory: str | os.PathLike = MANIFEST_DIR) -> dict:
+def audit_manifests(directory: str | os.PathLike = layout.MANIFESTS) -> dict:
     """Re-hash every input and output named by every manifest; fail at the first difference."""
     manifests = sorted(Path(directory).glob("*.json"))
     if not manifests:

@@ -3,8 +3,9 @@
 Figures: the base model's pretraining curve; SFT and reward-model training losses with their
 validation per epoch; PPO's sampled responses per iteration (reward-model score and rubric
 success); the two async GRPO runs per metrics window (reward of all scored rollouts, reward of
-the trained ones, the share of dropped zero-std groups); the policies side by side (rubric success against predicted simulated preference);
-the politeness deltas of the frozen reward model on the 20 probe contexts.
+the trained ones, the share of dropped zero-std groups); the policies side by side (rubric
+success against predicted simulated preference); the politeness deltas of the frozen reward
+model on the 20 probe contexts.
 """
 
 from __future__ import annotations
@@ -14,21 +15,20 @@ import html
 import json
 from pathlib import Path
 
-from .manifest import atomic_write_bytes, atomic_write_text, read_json
+from . import layout
+from .manifest import atomic_write_bytes, atomic_write_text, read_json, record_read
+from .stages import GRPO_RUNS
 
-OUT = Path("outputs/report")
 INPUTS = {
-    "base": Path("outputs/base-model.json"),
-    "sft": Path("outputs/learning/sft/continuous.json"),
-    "reward": Path("outputs/learning/reward/continuous.json"),
-    "ppo": Path("outputs/learning/ppo/rollout-rubric.json"),
-    "results": Path("outputs/results.json"),
-    "exercise": Path("outputs/exercise/reward-shortcuts.json"),
-    "table": Path("outputs/results.md"),
-    "grpo_verifier": Path("outputs/learning/grpo/verifier-metrics.jsonl"),
-    "grpo_learned": Path("outputs/learning/grpo/learned-metrics.jsonl"),
+    "base": layout.BASE_MODEL_SUMMARY,
+    "sft": layout.learning_report("sft", "continuous"),
+    "reward": layout.learning_report("reward", "continuous"),
+    "ppo": layout.PPO_SAMPLED,
+    "results": layout.RESULTS,
+    "exercise": layout.EXERCISE,
+    "table": layout.RESULTS_TABLE,
+    **{f"grpo_{run}": layout.grpo_metrics(run) for run in GRPO_RUNS},
 }
-FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "probes")
 
 
 def moving_average(values: list[float], width: int = 10) -> list[float]:
@@ -45,7 +45,7 @@ def _save(figure, name: str) -> Path:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight",
                    metadata={"Software": None})  # no version stamp: same figure, same bytes
-    path = atomic_write_bytes(OUT / f"{name}.png", buffer.getvalue())
+    path = atomic_write_bytes(layout.figure(name), buffer.getvalue())
     import matplotlib.pyplot as plt
 
     plt.close(figure)
@@ -58,6 +58,7 @@ def figures() -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    record_read(*INPUTS.values())
     data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}  # not JSONL
     paths = []
 
@@ -165,8 +166,7 @@ def page(paths: list[Path]) -> str:
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     paths = figures()
-    atomic_write_text(OUT / "report.html", page(paths))
-    run.finish(inputs=list(INPUTS.values()), outputs=[*paths, OUT / "report.html"],
-               summary={"figures": [p.name for p in paths]})
-    log(f"report written to {OUT / 'report.html'}")
+    atomic_write_text(layout.REPORT_PAGE, page(paths))
+    run.finish(summary={"figures": [p.name for p in paths]})
+    log(f"report written to {layout.REPORT_PAGE}")
     return {"figures": len(paths)}

@@ -17,17 +17,16 @@ Roles stay in `eval()` mode throughout (no dropout); autograd is on wherever the
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from . import lora
 from .encoding import Batch, last_token_mask
-from .manifest import ReproError, atomic_write_bytes, read_json, sha256_file, write_json
+from .errors import ReproError
+from .manifest import record_read
 
 ROLES = ("actor", "reference", "reward", "critic")
-CHECKPOINTS = Path("assets/checkpoints")
 LORA_RANK, LORA_ALPHA = 8, 16
 ADAPTER_SEED = {"actor": 49, "reference": 49, "critic": 49, "reward": 50}
 REWARD_HEAD_SEED, REWARD_HEAD_STD = 50, 0.02
@@ -44,6 +43,7 @@ def load_backbone(model_cfg: dict):
         attn_implementation="sdpa",
         output_loading_info=True,
     )
+    record_read(model_cfg["path"])
     missing = set(info.get("missing_keys", [])) - {"lm_head.weight"}
     if missing or info.get("unexpected_keys") or info.get("mismatched_keys"):
         raise ReproError(f"incomplete load of {model_cfg['path']}: {info}")
@@ -203,46 +203,3 @@ def isolation_report(roles: dict[str, Role]) -> dict:
         }
         for name, role in roles.items()
     }
-
-
-# ---------------------------------------------------------------- final exports
-
-
-def save_final(role, name: str, run_identity: dict, config: dict) -> None:
-    """Final learned tensors as `<name>-final.safetensors` + a JSON manifest, reloaded to
-    verify; an actor's adapters also in PEFT format (`<name>-peft/`, for `peft` and vLLM)."""
-    from safetensors.torch import load_file, save
-
-    path = CHECKPOINTS / f"{name}-final.safetensors"
-    state = {n: t.detach().contiguous() for n, t in learned_state(role).items()}
-    atomic_write_bytes(path, save(state))
-    write_json(path.with_suffix(".json"), {
-        "kind": role.kind, "sha256": sha256_file(path), "identity": run_identity,
-        "learned_identity": learned_identity(role),
-        "frozen_identity": frozen_identity(role),
-    })
-    reloaded = build(role.kind, config["model"], learned=load_file(path))
-    if learned_identity(reloaded) != learned_identity(role):
-        raise ReproError(f"{path} does not reload to the trained {name} tensors")
-    if role.kind == "actor":
-        lora.export_peft(role.backbone, CHECKPOINTS / f"{name}-peft",
-                         config["model"]["path"], LORA_RANK, LORA_ALPHA)
-
-
-def verified_final(name: str) -> tuple[Path, dict]:
-    """A final export's path and manifest, after checking the file's sha256 against it."""
-    path = CHECKPOINTS / f"{name}-final.safetensors"
-    meta = read_json(path.with_suffix(".json"))
-    if sha256_file(path) != meta["sha256"]:
-        raise ReproError(f"{path} does not match the sha256 in {path.with_suffix('.json')}: "
-                         "the checkpoint is corrupted; rerun the resume branch")
-    return path, meta
-
-
-def load_final(name: str, kind: str, config: dict, adapters_only: bool = False):
-    """A role built from a final export, after checking the file against its manifest."""
-    from safetensors.torch import load_file
-
-    path, meta = verified_final(name)
-    role = build(kind, config["model"], learned=load_file(path), adapters_only=adapters_only)
-    return role, meta

@@ -117,7 +117,8 @@ def _why_uncertified(norm: str) -> str:
     if not norm:
         return "empty"
     gestures = {m.group(0) for m in _GESTURE_PATTERN.finditer(norm)}
-    actions = {i for i, phrases in enumerate(GESTURES) for p in phrases if normalize(p) in gestures}
+    actions = {i for i, phrases in enumerate(GESTURES) for p in phrases
+               if normalize(p) in gestures}
     if _REFUSAL_PATTERN.search(norm) and actions:
         return "refusal_with_gesture"
     if len(actions) > 1:
@@ -135,7 +136,8 @@ def evaluate_response(text: str, finish_reason: str, expected_action: int) -> di
     U+FFFD and are never a success either.
     """
     if not 0 <= expected_action < len(ACTIONS):
-        raise ValueError(f"expected_action must be in 0..{len(ACTIONS) - 1}, got {expected_action}")
+        raise ValueError(f"expected_action must be in 0..{len(ACTIONS) - 1}, "
+                         f"got {expected_action}")
     verdict = {
         "recognized": False,
         "status": "UNCERTIFIED",

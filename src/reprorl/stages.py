@@ -2,6 +2,7 @@
 
 The command line dispatches through it, `codehash` hashes each stage's module closure from it,
 and `config.stage_config` cuts each stage's config subset from it. Adding a stage is one line.
+The names below are the ones every rule and path is built from.
 """
 
 from __future__ import annotations
@@ -12,29 +13,41 @@ from typing import NamedTuple
 class Stage(NamedTuple):
     module: str  # reprorl.<module> holds `stage(name, config, run, log)`
     config_keys: tuple[str, ...]  # top-level config keys the stage reads
+    threads: int = 1  # torch threads, and the rule's `threads:` (base_model: the config's)
 
 
+# A resumable training branch runs in three modes (one rule each): `interrupt` stops early and
+# saves, `resume` finishes from that state in a fresh process, `continuous` runs straight
+# through; `<branch>_resume_check` then compares the resume and continuous final states.
 MODES = ("interrupt", "continuous", "resume")
+# the final exports of each resumable branch (the first is the branch's own policy or model)
+EXPORTS = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo", "critic")}
+GRPO_RUNS = ("verifier", "learned")
+# every policy judged on the held-out rows, each the name of its final actor export
+POLICIES = ("sft", "ppo", *(f"grpo_{run}" for run in GRPO_RUNS))
 
 STAGES: dict[str, Stage] = {
     "prepare": Stage("corpus", ("seed",)),
     "base_model": Stage("base_model", ("model", "limits")),
     **{f"{branch}_{mode}": Stage("warmstart", ("model", "limits", branch))
        for branch in ("sft", "reward") for mode in MODES},
-    "sft_resume_check": Stage("warmstart", ()),
-    "reward_resume_check": Stage("warmstart", ()),
+    **{f"{branch}_resume_check": Stage("resumable", ()) for branch in EXPORTS},
     "sft_validation": Stage("warmstart", ("model", "limits")),
     **{f"ppo_{mode}": Stage("ppo", ("model", "limits", "ppo")) for mode in MODES},
-    "ppo_resume_check": Stage("ppo", ()),
     "ppo_report": Stage("ppo", ()),
-    **{f"grpo_{run}": Stage("grpo_run", ("model", "limits", "grpo"))
-       for run in ("verifier", "learned")},
+    # the trainer, the rollout worker and the embedded server share the two cores
+    **{f"grpo_{run}": Stage("grpo_run", ("model", "limits", "grpo"), threads=2)
+       for run in GRPO_RUNS},
     "generation_inputs": Stage("generate", ()),
-    **{f"generate_{policy}": Stage("generate", ("model", "limits"))
-       for policy in ("sft", "ppo", "grpo_verifier", "grpo_learned")},
+    **{f"generate_{policy}": Stage("generate", ("model", "limits")) for policy in POLICIES},
     "reward_test": Stage("evaluate", ("model", "limits")),
     "evaluate": Stage("evaluate", ()),
     "exercise": Stage("evaluate", ("model", "limits")),
     "report": Stage("report", ()),
     "audit": Stage("manifest", ()),  # run by `reprorl audit`, hashed like any stage
 }
+
+
+def threads(stage: str, config: dict) -> int:
+    """Torch threads of `stage`: pretraining the embedded base takes `pretrain_threads`."""
+    return config["pretrain_threads"] if stage == "base_model" else STAGES[stage].threads

@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .manifest import ReproError, atomic_write_bytes, sha256_file, write_json
+from .errors import ReproError
+from .manifest import atomic_write_bytes, record_read, sha256_file
 
 
 def save_state(path: str | Path, state: dict) -> dict:
@@ -35,9 +36,11 @@ def save_state(path: str | Path, state: dict) -> dict:
 
 
 def load_state(path: str | Path) -> dict:
+    """A state written by `save_state`, recorded as an input of the running stage."""
     path = Path(path)
     if not path.is_file():
         raise ReproError(f"resume state {path} is missing: run the stage that writes it first")
+    record_read(path)
     try:
         with gzip.open(path, "rb") as handle:
             return torch.load(io.BytesIO(handle.read()), weights_only=True)
@@ -116,22 +119,3 @@ def first_difference(a: Any, b: Any, where: str = "state") -> str | None:
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def check_resume(name: str, continuous: Path, resumed: Path, report: str | Path,
-                 details: dict) -> dict:
-    """PASS only if the resumed run's final state equals the continuous run's exactly (every
-    tensor bit, RNG, schedule and history); the first difference is named. Written to
-    `report`; a FAIL also stops the stage."""
-    difference = first_difference(load_state(continuous), load_state(resumed))
-    result = {
-        "status": "PASS" if difference is None else "FAIL",
-        "first_difference": difference,
-        "continuous_sha256": sha256_file(continuous),
-        "resume_sha256": sha256_file(resumed),
-        **details,
-    }
-    write_json(report, result)
-    if difference is not None:
-        raise ReproError(f"{name} resume check FAILED: {difference}")
-    return result

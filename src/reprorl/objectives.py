@@ -1,4 +1,11 @@
-"""PPO targets and losses as pure functions of detached tensors (no model in here).
+"""The training objectives as pure functions of tensors (no model in here).
+
+Supervised warm start and reward model:
+- SFT: the summed negative log-likelihood of the response tokens of an update's examples over
+  their total count (not a mean of per-example means): -sum(mask * logp) / sum(mask);
+- Bradley-Terry: -mean(log sigmoid(r_chosen - r_rejected)) over the update's pairs.
+
+PPO targets and losses, on detached rollout tensors:
 
 Layout: (B, T) tensors with `mask` True on each response's tokens, which are contiguous: at the
 left (right padding) or at the right (left padding, as model batches come). The done flag is
@@ -21,6 +28,15 @@ from __future__ import annotations
 import torch
 
 from .encoding import last_token_mask
+
+
+def sft_loss(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Summed negative log-likelihood of the masked tokens over their total count."""
+    return -(token_logprobs * mask).sum() / mask.sum()
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    return -torch.nn.functional.logsigmoid(chosen - rejected).mean()
 
 
 def token_rewards(logp_old: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor,

@@ -1,0 +1,102 @@
+# The resumable training branches: the SFT actor, the Bradley-Terry reward model, and PPO's
+# actor and critic (against the frozen reward model and reference). Each runs three times:
+# interrupted (after SFT/reward epoch 1, PPO iteration 40), resumed from that state in a fresh
+# process, and straight through; `<branch>_resume_check` passes only if resume and continuous
+# end in bitwise-equal states.
+
+
+for branch in EXPORTS:
+    for mode in MODES:
+        stage = f"{branch}_{mode}"
+
+        rule:
+            name:
+                stage
+            input:
+                **training_inputs(branch, mode),
+                corpus=rules.prepare.output.manifest,
+                model=rules.base_model.output.manifest,
+            output:
+                **stage_output(stage),
+            log:
+                layout.log(stage),
+            benchmark:
+                layout.benchmark(stage)
+            conda:
+                "../workflow/envs/reprorl.yaml"
+            threads: stage_threads(stage)
+            resources:
+                mem_mb=4000,
+            params:
+                code=code_hash(stage),
+                config=stage_config_json(config, stage),
+            shell:
+                STAGE_COMMAND
+
+    stage = f"{branch}_resume_check"
+
+    rule:
+        name:
+            stage
+        input:
+            continuous=str(layout.state(branch, "continuous")),
+            resumed=str(layout.state(branch, "resume")),
+        output:
+            **stage_output(stage),
+        log:
+            layout.log(stage),
+        benchmark:
+            layout.benchmark(stage)
+        conda:
+            "../workflow/envs/reprorl.yaml"
+        threads: stage_threads(stage)
+        params:
+            code=code_hash(stage),
+            config=stage_config_json(config, stage),
+        shell:
+            STAGE_COMMAND
+
+
+# Greedy rubric success of the final SFT actor on the 180 validation prompts (measured, never
+# used to select anything).
+rule sft_validation:
+    input:
+        corpus=rules.prepare.output.manifest,
+        model=rules.base_model.output.manifest,
+        actor=final_files("sft"),
+    output:
+        **stage_output("sft_validation"),
+    log:
+        layout.log("sft_validation"),
+    benchmark:
+        layout.benchmark("sft_validation")
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("sft_validation")
+    params:
+        code=code_hash("sft_validation"),
+        config=stage_config_json(config, "sft_validation"),
+    shell:
+        STAGE_COMMAND
+
+
+# Rubric success and reward-model score of the responses PPO sampled (first/last 10
+# iterations); an evaluation that reads the rollout prompts' situations, never a training input.
+rule ppo_report:
+    input:
+        corpus=rules.prepare.output.manifest,
+        rollouts=rules.ppo_continuous.output.rollouts,
+    output:
+        **stage_output("ppo_report"),
+    log:
+        layout.log("ppo_report"),
+    benchmark:
+        layout.benchmark("ppo_report")
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("ppo_report")
+    params:
+        code=code_hash("ppo_report"),
+        config=stage_config_json(config, "ppo_report"),
+    shell:
+        STAGE_COMMAND
