@@ -12,7 +12,6 @@ rule base_model:
     resources:
         mem_mb=4000,
     params:
-        code=code_hash("base_model"),
-        config=stage_config_json(config, "base_model"),
+        **stage_params("base_model"),
     shell:
         STAGE_COMMAND

@@ -2,8 +2,8 @@
 # carries.
 #
 # Snakemake re-runs a job when its params change (rerun trigger "params"). Each rule therefore
-# passes `code`, the hash of the reprorl modules it runs, and `config`, the part of the
-# configuration it reads: editing src/reprorl/base_model.py or model.* re-runs base_model and
+# passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the part
+# of the configuration it reads: editing src/reprorl/base_model.py or model.* re-runs base_model and
 # its dependents only.
 from reprorl import layout
 from reprorl.codehash import code_hash
@@ -26,11 +26,19 @@ def stage_threads(stage):
     return threads(stage, config)
 
 
-# The shell command of every stage rule: the stage is the rule's name, and its config subset
-# travels as params.config. ({rule} is filled when the job runs, so it also serves the rules
-# written in loops, where a loop variable would hold its last value by then.)
+def stage_params(stage):
+    """The stage a rule runs, its code hash and its config subset (see the top)."""
+    return {
+        "stage": stage,
+        "code": code_hash(stage),
+        "config": stage_config_json(config, stage),
+    }
+
+
+# The shell command of every stage rule; the config subset travels as params.config.
 STAGE_COMMAND = (
-    "python -m reprorl {rule} --config-json {params.config:q} --threads {threads} > {log} 2>&1"
+    "python -m reprorl {params.stage} --config-json {params.config:q}"
+    " --threads {threads} > {log} 2>&1"
 )
 
 

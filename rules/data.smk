@@ -13,7 +13,6 @@ rule prepare:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("prepare")
     params:
-        code=code_hash("prepare"),
-        config=stage_config_json(config, "prepare"),
+        **stage_params("prepare"),
     shell:
         STAGE_COMMAND

@@ -17,8 +17,7 @@ rule reward_test:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("reward_test")
     params:
-        code=code_hash("reward_test"),
-        config=stage_config_json(config, "reward_test"),
+        **stage_params("reward_test"),
     shell:
         STAGE_COMMAND
 
@@ -42,8 +41,7 @@ rule evaluate:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("evaluate")
     params:
-        code=code_hash("evaluate"),
-        config=stage_config_json(config, "evaluate"),
+        **stage_params("evaluate"),
     shell:
         STAGE_COMMAND
 
@@ -68,8 +66,7 @@ rule exercise:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("exercise")
     params:
-        code=code_hash("exercise"),
-        config=stage_config_json(config, "exercise"),
+        **stage_params("exercise"),
     shell:
         STAGE_COMMAND
 
@@ -94,7 +91,6 @@ rule report:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("report")
     params:
-        code=code_hash("report"),
-        config=stage_config_json(config, "report"),
+        **stage_params("report"),
     shell:
         STAGE_COMMAND

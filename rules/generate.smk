@@ -16,8 +16,7 @@ rule generation_inputs:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("generation_inputs")
     params:
-        code=code_hash("generation_inputs"),
-        config=stage_config_json(config, "generation_inputs"),
+        **stage_params("generation_inputs"),
     shell:
         STAGE_COMMAND
 
@@ -46,7 +45,6 @@ for policy in POLICIES:
             "../workflow/envs/reprorl.yaml"
         threads: stage_threads(stage)
         params:
-            code=code_hash(stage),
-            config=stage_config_json(config, stage),
+            **stage_params(stage),
         shell:
             STAGE_COMMAND

@@ -30,7 +30,6 @@ for run in GRPO_RUNS:
         resources:
             mem_mb=6000,
         params:
-            code=code_hash(stage),
-            config=stage_config_json(config, stage),
+            **stage_params(stage),
         shell:
             STAGE_COMMAND

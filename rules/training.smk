@@ -28,8 +28,7 @@ for branch in EXPORTS:
             resources:
                 mem_mb=4000,
             params:
-                code=code_hash(stage),
-                config=stage_config_json(config, stage),
+                **stage_params(stage),
             shell:
                 STAGE_COMMAND
 
@@ -51,8 +50,7 @@ for branch in EXPORTS:
             "../workflow/envs/reprorl.yaml"
         threads: stage_threads(stage)
         params:
-            code=code_hash(stage),
-            config=stage_config_json(config, stage),
+            **stage_params(stage),
         shell:
             STAGE_COMMAND
 
@@ -74,8 +72,7 @@ rule sft_validation:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("sft_validation")
     params:
-        code=code_hash("sft_validation"),
-        config=stage_config_json(config, "sft_validation"),
+        **stage_params("sft_validation"),
     shell:
         STAGE_COMMAND
 
@@ -96,7 +93,6 @@ rule ppo_report:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("ppo_report")
     params:
-        code=code_hash("ppo_report"),
-        config=stage_config_json(config, "ppo_report"),
+        **stage_params("ppo_report"),
     shell:
         STAGE_COMMAND
