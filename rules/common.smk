@@ -2,9 +2,9 @@
 # carries.
 #
 # Snakemake re-runs a job when its params change (rerun trigger "params"). Each rule therefore
-# passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the part
-# of the configuration it reads: editing src/reprorl/base_model.py or model.* re-runs base_model and
-# its dependents only.
+# passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the
+# part of the configuration it reads: editing src/reprorl/base_model.py or model.* re-runs
+# base_model and its dependents only.
 from reprorl import layout
 from reprorl.codehash import code_hash
 from reprorl.config import stage_config_json, validate
