@@ -19,6 +19,7 @@ scored in one left-padded batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -207,6 +208,25 @@ def iterate(roles_: dict, optimizers: dict, tokenizer, pages: list[dict], number
     return rollouts, entry
 
 
+def learning_rates(settings: dict, step: int) -> dict:
+    """Both optimisers' rates at update `step`: warm-up, then linear decay."""
+    return {name: linear_warmup_decay(step, ITERATIONS * UPDATES_PER_BATCH,
+                                      settings[f"{name}_learning_rate"],
+                                      settings["warmup_ratio"], settings["final_lr_ratio"])
+            for name in ("actor", "critic")}
+
+
+def consume(state: dict, entry: dict) -> None:
+    """Record a finished iteration in the run's progress; a rollout is consumed only once."""
+    ids = entry["rollout_ids"]
+    if set(ids) & set(state["consumed"]) or len(set(ids)) != len(ids):
+        twice = sorted(set(ids) & set(state["consumed"]))
+        raise ReproError(f"rollout ids consumed twice: {twice}")
+    state["consumed"].extend(ids)
+    state["iteration"] = entry["iteration"]
+    state["history"].append(entry)
+
+
 def train(config: dict, mode: str, log=print) -> dict:
     settings, limits = config["ppo"], config["limits"]
     seed_everything(settings["seed"])
@@ -222,13 +242,7 @@ def train(config: dict, mode: str, log=print) -> dict:
                                 weight_decay=settings["weight_decay"])
         for name in ("actor", "critic")
     }
-    total = ITERATIONS * UPDATES_PER_BATCH
-
-    def schedule(step: int) -> dict:
-        return {name: linear_warmup_decay(step, total, settings[f"{name}_learning_rate"],
-                                          settings["warmup_ratio"], settings["final_lr_ratio"])
-                for name in optimizers}
-
+    schedule = functools.partial(learning_rates, settings)
     prompt_generator = torch.Generator().manual_seed(settings["prompt_seed"])
     generation = torch.Generator().manual_seed(settings["generation_seed"])
     run = ResumableRun("ppo", identity(config, initial), roles_, optimizers,
@@ -251,14 +265,8 @@ def train(config: dict, mode: str, log=print) -> dict:
             rollouts, entry = iterate(roles_, optimizers, tokenizer, [pages[i] for i in chosen],
                                       number, generation, schedule, updates, settings, limits,
                                       timer)
-            ids = entry["rollout_ids"]
-            if set(ids) & set(state["consumed"]) or len(set(ids)) != len(ids):
-                twice = sorted(set(ids) & set(state["consumed"]))
-                raise ReproError(f"rollout ids consumed twice: {twice}")
+            consume(state, entry)
             updates += UPDATES_PER_BATCH
-            state["consumed"].extend(ids)
-            state["iteration"] = number
-            state["history"].append(entry)
             bar.update(1)
             write_json(rollout_dir / f"iteration-{number:03d}.json",
                        {"iteration": number, "rollouts": rollouts})

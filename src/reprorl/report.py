@@ -52,23 +52,16 @@ def _save(figure, name: str) -> Path:
     return path
 
 
-def figures() -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    record_read(*INPUTS.values())
-    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}  # not JSONL
-    paths = []
-
+def plot_pretraining(plt, data: dict):
     figure, axis = plt.subplots(figsize=(6, 3.2))
     curve = data["base"].get("learning_curve", [])
     axis.plot(range(1, len(curve) + 1), curve)
     axis.set(title="Base model pretraining (disjoint population)", xlabel="step",
              ylabel="cross-entropy", yscale="log")
-    paths.append(_save(figure, "pretraining"))
+    return figure
 
+
+def plot_warmstart(plt, data: dict):
     figure, axes = plt.subplots(1, 2, figsize=(12, 3.6))
     for axis, branch, metric in ((axes[0], "sft", "loss"), (axes[1], "reward", "accuracy")):
         history = data[branch]["history"]
@@ -87,8 +80,10 @@ def figures() -> list[Path]:
         axis.legend(loc="upper right", fontsize=7)
         twin.legend(loc="center right", fontsize=7)
     figure.tight_layout(w_pad=3)
-    paths.append(_save(figure, "warmstart"))
+    return figure
 
+
+def plot_ppo(plt, data: dict):
     iterations = data["ppo"]["iterations"]
     steps = [i["iteration"] for i in iterations]
     figure, axis = plt.subplots(figsize=(7, 3.4))
@@ -103,8 +98,10 @@ def figures() -> list[Path]:
     twin.set(ylabel="rubric success rate", ylim=(-0.05, 1.05))
     axis.legend(loc="upper left", fontsize=7)
     twin.legend(loc="lower right", fontsize=7)
-    paths.append(_save(figure, "ppo"))
+    return figure
 
+
+def plot_grpo(plt, data: dict):
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     for axis, run in zip(axes, ("verifier", "learned")):
         lines = INPUTS[f"grpo_{run}"].read_text().splitlines()
@@ -119,8 +116,10 @@ def figures() -> list[Path]:
         axis.set(title=f"GRPO ({run} reward), sampled at temperature 1", xlabel="step")
         axis.legend(loc="upper left", fontsize=7)
         twin.legend(loc="lower right", fontsize=7)
-    paths.append(_save(figure, "grpo"))
+    return figure
 
+
+def plot_policies(plt, data: dict):
     figure, axis = plt.subplots(figsize=(6.5, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for color, (policy, result) in zip(colors, data["results"]["policies"].items()):
@@ -133,8 +132,10 @@ def figures() -> list[Path]:
              xlabel="mean predicted simulated preference", ylabel="rubric success rate",
              ylim=(-0.05, 1.05))
     axis.legend(fontsize=7, loc="upper left")
-    paths.append(_save(figure, "policies"))
+    return figure
 
+
+def plot_probes(plt, data: dict):
     contexts = data["exercise"]["contexts_detail"]
     figure, axis = plt.subplots(figsize=(9, 3.4))
     x = range(len(contexts))
@@ -148,8 +149,23 @@ def figures() -> list[Path]:
                    f"correct in {data['exercise']['polite_wrong_outranks_plain_correct']}/20",
              ylabel="score delta")
     axis.legend(fontsize=7)
-    paths.append(_save(figure, "probes"))
-    return paths
+    return figure
+
+
+PLOTS = {"pretraining": plot_pretraining, "warmstart": plot_warmstart, "ppo": plot_ppo,
+         "grpo": plot_grpo, "policies": plot_policies, "probes": plot_probes}
+
+
+def figures() -> list[Path]:
+    """Every figure of `layout.FIGURES`, drawn from the report's inputs and saved."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record_read(*INPUTS.values())
+    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}  # not JSONL
+    return [_save(PLOTS[name](plt, data), name) for name in layout.FIGURES]
 
 
 def page(paths: list[Path]) -> str:
