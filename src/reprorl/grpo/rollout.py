@@ -215,7 +215,7 @@ class AsyncRolloutLoop:
     def __init__(self, config, model_name: str, dataset, reward_funcs: list, processing_class,
                  eos_token_ids: list[int], rollout_buffer, model_version_value, token_allowance,
                  heartbeat_value, failed_event, exception_info_queue, metrics_queue,
-                 tools=None, environment_factory=None, score_queue_maxsize: int = 16,
+                 tools=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
                  queued_tokens=None, queued_samples=None, stop_event=None,
                  consumed_after_cursor=(), baseline_counters=None):
@@ -225,8 +225,7 @@ class AsyncRolloutLoop:
         self.rollout_buffer, self.model_version = rollout_buffer, model_version_value
         self.token_allowance, self.heartbeat = token_allowance, heartbeat_value
         self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
-        self.metrics_queue, self.tools = metrics_queue, list(tools or [])
-        self.environment_factory = environment_factory
+        self.metrics_queue, self.tools = metrics_queue, list(tools or [])  # none until agents
         self.score_queue_maxsize = score_queue_maxsize
         self.lora_name, self.start = lora_name, dataset_start_index
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
