@@ -95,6 +95,17 @@ def _verified(name: str, scope: str):
     return content
 
 
+ROLLOUT_PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
+
+
+def rollout_prompts() -> list[dict]:
+    """The 672 rollout prompts PPO and GRPO learn from, checked to be exactly those."""
+    pages = read(ROLLOUT_PROMPTS, "learning")
+    if len(pages) != 672 or any(p["population"] != "rollout" for p in pages):
+        raise ReproError(f"expected the 672 rollout prompts, found {len(pages)}")
+    return pages
+
+
 LEARNING_SCOPES = ("learning", "verifier")
 HELD_OUT_SPLITS = ("test", "probe")
 

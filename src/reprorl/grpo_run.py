@@ -28,9 +28,6 @@ from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .manifest import atomic_write_bytes, peak_rss_mb, refuse_to_overwrite, write_json
 from .rubric import evaluate_response
 
-ROLLOUT_PROMPTS = 672
-PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
-
 
 class RubricVerifier:
     """1.0 when the answer is a rubric success for the prompt's situation, else 0.0."""
@@ -78,9 +75,7 @@ class LearnedReward:
 
 
 def dataset(run: str) -> list[dict]:
-    pages = corpus.read(PROMPTS, "learning")
-    if len(pages) != ROLLOUT_PROMPTS or any(p["population"] != "rollout" for p in pages):
-        raise ReproError(f"expected the {ROLLOUT_PROMPTS} rollout prompts, found {len(pages)}")
+    pages = corpus.rollout_prompts()
     rows = [{"prompt": [{"role": "user", "content": p["prompt"]}],
              "document_id": p["document_id"]} for p in pages]
     if run == "verifier":

@@ -49,8 +49,6 @@ ITERATIONS, INTERRUPT_AT, PROMPTS_PER_ITERATION, UPDATES_PER_BATCH = 100, 40, 4,
 # Sampling temperature, fixed by the specification: the actor loss and the KL reward use
 # untempered log-probs, which are the behaviour log-probs only at temperature 1.
 TEMPERATURE = 1.0
-ROLLOUT_PROMPTS = 672
-PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
 INPUT_CHECKPOINTS = [*layout.final_files("sft"), *layout.final_files("reward")]
 
 
@@ -180,7 +178,7 @@ def identity(config: dict, initial: dict) -> dict:
     return {
         "config": {k: config[k] for k in ("model", "limits", "ppo")},
         "base_model_sha256": hash_paths([config["model"]["path"]]),
-        "data_sha256": hash_paths([layout.CORPUS / PROMPTS]),
+        "data_sha256": hash_paths([layout.CORPUS / corpus.ROLLOUT_PROMPTS]),
         "checkpoints_sha256": hash_paths(INPUT_CHECKPOINTS),
         "code_sha256": code_hash("ppo_continuous"),
         "roles_initial": initial,
@@ -231,9 +229,7 @@ def train(config: dict, mode: str, log=print) -> dict:
     settings, limits = config["ppo"], config["limits"]
     seed_everything(settings["seed"])
     tokenizer = load_tokenizer(config["model"]["path"])
-    pages = corpus.read(PROMPTS, "learning")
-    if len(pages) != ROLLOUT_PROMPTS or any(p["population"] != "rollout" for p in pages):
-        raise ReproError(f"expected the {ROLLOUT_PROMPTS} rollout prompts, found {len(pages)}")
+    pages = corpus.rollout_prompts()
     roles_ = build_roles(config)
     initial = roles.isolation_report(roles_)
     optimizers = {

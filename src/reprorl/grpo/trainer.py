@@ -531,7 +531,6 @@ class AsyncGRPOTrainer:
         """Up to `gradient_accumulation_steps` micro-batches, each forwarded and backwarded."""
         run, accumulation = self.run, self.args.gradient_accumulation_steps
         step = Step()
-        run.samples.wait_s = 0.0
         for _ in range(accumulation):
             samples = run.samples.next_microbatch(run.batcher)
             if not samples:
@@ -548,7 +547,7 @@ class AsyncGRPOTrainer:
             step.add(samples, batch)
             run.num_tokens += batch.real_tokens
             self._record_microbatch(samples, batch)
-        step.wait_s = run.samples.wait_s
+        step.wait_s = run.samples.take_wait_s()
         return step
 
     def _optimizer_step(self, step: Step) -> None:
