@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -303,3 +304,262 @@ def test_preemption_recomputes_and_stops_cleanly(tiny_model, reference, tmp_path
         assert values["vllm:generation_tokens_total"] == 12 * 24
         process.terminate()
         assert process.wait(timeout=15) == 0
+
+
+def poisoned_adapters(tiny_model, root):
+    """Adapters under `root` that a hostile client might load: NaN weights, rank 0."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    adapter_model(tiny_model, root / "nan", 8, seed=3)
+    weights = load_file(root / "nan/adapter_model.safetensors")
+    first = min(weights)
+    weights[first] = torch.full_like(weights[first], float("nan"))
+    save_file(weights, root / "nan/adapter_model.safetensors")
+    adapter_model(tiny_model, root / "rank0", 8, seed=4)
+    settings = json.loads((root / "rank0/adapter_config.json").read_text())
+    (root / "rank0/adapter_config.json").write_text(json.dumps({**settings, "r": 0}))
+    return {name: str(root / name) for name in ("nan", "rank0")}
+
+
+def hostile_requests(url, prompt, adapters, outside, rng):
+    """(method, path, raw body or None, headers) of malformed or hostile requests."""
+    import json
+
+    def raw(text):
+        return text.encode()
+
+    base = {"prompt": prompt, "max_tokens": 4}
+    numeric = ("temperature", "max_tokens", "n", "logprobs", "top_k", "top_p", "min_p", "seed")
+    cases = []
+    for key in numeric:
+        for bad in ("NaN", "Infinity", "-Infinity", "1e999", '"3"', "true", "[1]", "{}"):
+            cases.append(raw(json.dumps(base)[:-1] + f', "{key}": {bad}}}'))
+    for bad in ({"model": {"a": 1}}, {"model": [1]}, {"model": 7}, {"prompt": {"a": 1}},
+                {"prompt": [[1, 2], [3]]}, {"prompt": [True, False]}, {"prompt": [-1]},
+                {"prompt": [10 ** 9]}, {"prompt": []}, {"prompt": ""}, {"max_tokens": 0},
+                {"max_tokens": -5}, {"max_tokens": 10 ** 30}, {"logprobs": 1000}, {"n": 2},
+                {"stream": True}, {"echo": True}, {"temperature": -1}, {"top_p": 0},
+                {"top_k": -7}, {"min_p": 2}, {"stop_token_ids": "x"},
+                {"stop_token_ids": [True]}, {"model": "nope"}, {"prompt": "word " * 20000}):
+        cases.append(raw(json.dumps({**base, **bad})))
+    cases += [b"[" * 100_000 + b"]" * 100_000, b"{", b"\xff\xfe\x00", b"[1, 2]", b"null",
+              b"7", b'{"prompt": [1], "max_tokens": 4', b" " * 100]
+    requests_ = [("POST", "/v1/completions", body, {}) for body in cases]
+    requests_ += [("POST", "/v1/completions", b"x" * (3 << 20), {})]  # over the 2 MiB limit
+    loads = [{"lora_name": "x", "lora_path": adapters["nan"]},
+             {"lora_name": "x", "lora_path": adapters["rank0"]},
+             {"lora_name": "x", "lora_path": outside}, {"lora_name": "x", "lora_path": "/etc"},
+             {"lora_name": {"a": 1}, "lora_path": adapters["nan"]}, {"lora_name": "x"},
+             {"lora_name": "x", "lora_path": ["/"]}]
+    requests_ += [("POST", "/v1/load_lora_adapter", raw(json.dumps(b)), {}) for b in loads]
+    requests_ += [("POST", "/v1/unload_lora_adapter", raw(json.dumps(b)), {})
+                  for b in ({"lora_name": "policy"}, {"lora_name": ["x"]}, {})]
+    requests_ += [("GET", "/v1/completions", None, {}), ("PUT", "/v1/models", None, {}),
+                  ("GET", "/nowhere", None, {}), ("DELETE", "/health", None, {})]
+    good = raw(json.dumps(base))
+    requests_ += [("POST", "/v1/completions", good, {"Authorization": None}),
+                  ("POST", "/v1/completions", good, {"Authorization": "Bearer wrong"}),
+                  ("POST", "/v1/completions", good, {"Authorization": "Basic c2VjcmV0"}),
+                  ("POST", "/v1/unload_lora_adapter", raw('{"lora_name": "x"}'),
+                   {"Authorization": None})]
+    rng.shuffle(requests_)
+    return requests_
+
+
+def rss_kib(pid: int, field: str = "VmHWM") -> int:
+    """A process's peak resident memory (VmHWM) in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def test_hostile_requests_fail_alone_with_json_4xx(tiny_model, reference, tmp_path):
+    """A bounded fuzz run on the real server: a few hundred malformed or hostile requests
+    (shuffled with a fixed seed) sent beside legitimate ones. Every hostile one gets a JSON 4xx;
+    every legitimate one gets the tokens it gets alone; the server's peak memory stays bounded."""
+    import json
+    import random
+
+    _, tokenizer = reference
+    root = tmp_path / "loras"
+    root.mkdir()
+    adapters = poisoned_adapters(tiny_model, root)
+    adapter_model(tiny_model, tmp_path / "outside", 8, seed=5)
+    key = "fuzz-key"
+    auth = {"Authorization": f"Bearer {key}"}
+    prompt = prompt_ids(tokenizer, "Fuzz me gently.")
+    legit = [{"prompt": prompt_ids(tokenizer, f"Legit request {i}."), "max_tokens": 24,
+              "seed": 300 + i, "logprobs": 2, "ignore_eos": True, "return_token_ids": True}
+             for i in range(6)]
+    flags = ("--max-model-len", str(MAX_LEN), "--api-key", key, "--lora-root", str(root))
+    with running_server(tiny_model, tmp_path, *flags) as (url, process):
+        def send(method, path, body, headers):
+            headers = {**auth, "Content-Type": "application/json", **headers}
+            headers = {k: v for k, v in headers.items() if v is not None}
+            return requests.request(method, url + path, data=body, headers=headers, timeout=60)
+
+        def legit_one(body):
+            response = send("POST", "/v1/completions", json.dumps(body).encode(), {})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]["token_ids"]
+
+        alone = [legit_one(body) for body in legit]
+        before = rss_kib(process.pid)
+        rng = random.Random(0)
+        hostile = [request for _ in range(3)  # each case three times, shuffled
+                   for request in hostile_requests(url, prompt, adapters,
+                                                   str(tmp_path / "outside"), rng)]
+        with ThreadPoolExecutor(8) as pool:
+            legit_futures = [pool.submit(legit_one, body) for body in legit * 3]
+            answers = list(pool.map(lambda r: send(*r), hostile))
+            together = [f.result() for f in legit_futures]
+        statuses: dict[int, int] = {}
+        for (method, path, _, _), response in zip(hostile, answers):
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            assert 400 <= response.status_code < 500, (method, path, response.text[:300])
+            body = response.json()  # every error is JSON
+            assert "error" in body, body
+        assert together == alone * 3  # same tokens beside hostile traffic as alone
+        peak = rss_kib(process.pid)
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        cards = send("GET", "/v1/models", None, {}).json()["data"]
+        assert [card["id"] for card in cards] == [str(tiny_model)]  # nothing hostile loaded
+        print(json.dumps({"hostile_requests": len(hostile), "legit_requests": 3 * len(legit),
+                          "statuses": statuses, "peak_rss_growth_mib": (peak - before) / 1024}))
+        assert peak - before < 256 * 1024, (before, peak)  # KiB: bounded, no body retained
+
+
+def test_disconnect_aborts_and_a_full_queue_answers_503(tiny_model, reference, tmp_path):
+    """A client that goes away aborts its generation; beyond --max-waiting-requests the
+    server answers 503 (JSON), which a client retries, and serves everyone else."""
+    _, tokenizer = reference
+    prompt = prompt_ids(tokenizer, "Keep talking.")
+    long = {"prompt": prompt, "max_tokens": 400, "ignore_eos": True, "seed": 1}
+    flags = ("--max-model-len", "512", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    with running_server(tiny_model, tmp_path, *flags) as (url, _):
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(f"{url}/v1/completions", json=long, timeout=(5, 0.1))
+        deadline = time.monotonic() + 20
+        while metrics(url)["vllm:request_success_total"] == 0:
+            assert time.monotonic() < deadline, "the abandoned request never ended"
+            time.sleep(0.05)
+        text = requests.get(f"{url}/metrics", timeout=10).text
+        aborted = next(line for line in text.splitlines()
+                       if line.startswith('vllm:request_success_total{finished_reason="abort"'))
+        assert aborted.endswith(" 1.0"), aborted
+        assert metrics(url)["vllm:generation_tokens_total"] < 400  # stopped early
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: requests.post(
+                f"{url}/v1/completions", json={**long, "max_tokens": 200}, timeout=60),
+                range(8)))
+        statuses = sorted(a.status_code for a in answers)
+        assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
+        refused = next(a for a in answers if a.status_code == 503).json()["error"]
+        assert refused["type"] == "ServiceUnavailableError"
+        assert "--max-waiting-requests" in refused["message"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--max-num-seqs", "0"), "argument --max-num-seqs: must be >= 1, got 0"),
+    (("--kv-cache-tokens", "-3"), "argument --kv-cache-tokens: must be >= 1, got -3"),
+    (("--port", "70000"), "argument --port: must be in [0, 65535], got 70000"),
+    (("--max-loras", "nan"), "argument --max-loras: invalid integer value: 'nan'"),
+    (("--lora-root", "/no/such/dir"), "--lora-root /no/such/dir is not a directory"),
+])
+def test_bad_server_flags_exit_2_with_one_line(tiny_model, flags, message):
+    result = subprocess.run([sys.executable, "-m", "reprorl", "serve", "--model",
+                             str(tiny_model), *flags], capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_health_is_503_and_requests_refused_when_the_engine_is_dead(tiny_model, reference):
+    """In process, over real HTTP: a server whose engine thread is not running says so."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from reprorl.grpo import server as embedded
+
+    model, tokenizer = reference
+    args = embedded.arguments(["--model", str(tiny_model), "--max-model-len", str(MAX_LEN)])
+    server = embedded.Server(args, model, tokenizer)  # engine never started
+
+    async def ask():
+        async with TestClient(TestServer(server.app())) as client:
+            health = await client.get("/health")
+            done = await client.post("/v1/completions", json={"prompt": [5, 6]})
+            return health.status, await health.json(), done.status, await done.json()
+
+    health, health_body, status, body = asyncio.run(ask())
+    assert health == 503 and health_body["error"]["type"] == "ServiceUnavailableError"
+    assert status == 503 and "engine" in body["error"]["message"]
+
+
+def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
+    """In process, over real HTTP: a model that raises while prefilling one prompt, or yields
+    NaN log-probs for another, fails those two requests (JSON 500) and nobody beside them."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+    from transformers import AutoModelForCausalLM
+
+    from reprorl.grpo import server as embedded
+
+    _, tokenizer = reference
+    raising, poisoning = 7, 9  # prompt token ids that trigger the two faults
+
+    class Faulty(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+            self.generation_config = inner.generation_config
+
+        def forward(self, input_ids=None, **kwargs):
+            if input_ids.shape[1] > 1 and raising in input_ids[0].tolist():
+                raise RuntimeError("a kernel fault")
+            output = self.inner(input_ids=input_ids, **kwargs)
+            if input_ids.shape[1] > 1 and poisoning in input_ids[0].tolist():
+                output.logits[:] = float("nan")
+            return output
+
+    inner = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
+                                                 dtype=torch.float32).eval()
+    args = embedded.arguments(["--model", str(tiny_model), "--max-model-len", str(MAX_LEN)])
+    server = embedded.Server(args, Faulty(inner), tokenizer)
+    server.engine.cache_arg = embedded.Engine(inner, {}, 1, 1).cache_arg
+    good = [{"prompt": [11 + i, 12, 13], "max_tokens": 12, "seed": i, "ignore_eos": True,
+             "return_token_ids": True} for i in range(3)]
+    bad = [{"prompt": [11, raising, 13], "max_tokens": 12},
+           {"prompt": [11, poisoning, 13], "max_tokens": 12}]
+
+    async def ask():
+        async with TestClient(TestServer(server.app())) as client:
+            async def post(body):
+                response = await client.post("/v1/completions", json=body)
+                return response.status, await response.json()
+
+            alone = [await post(body) for body in good]
+            together = await asyncio.gather(*[post(body) for body in [*good, *bad]])
+            health = (await client.get("/health")).status
+            return alone, together, health
+
+    server.engine.start()
+    try:
+        alone, together, health = asyncio.run(ask())
+    finally:
+        server.engine.stop()
+        server.engine.join(10)
+    assert [status for status, _ in alone] == [200] * 3
+    tokens = [body["choices"][0]["token_ids"] for _, body in alone]
+    assert [body["choices"][0]["token_ids"] for _, body in together[:3]] == tokens
+    for status, body in together[3:]:
+        assert status == 500 and body["error"]["type"] == "InternalServerError"
+    assert "a kernel fault" in together[3][1]["error"]["message"]
+    assert "NaN" in together[4][1]["error"]["message"]
+    assert health == 200

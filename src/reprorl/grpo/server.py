@@ -16,25 +16,40 @@ preemption is by recompute only and `--max-model-len` may not exceed `--kv-cache
 loading more than `--max-loras` adapters is refused instead of LRU-swapped, and LoRA model
 cards carry `max_model_len` too; a request with `seed: null` draws its seed from the server's
 `--seed` stream; sampling is `torch.multinomial`, so seeded tokens differ from vLLM's.
+
+Hardening (vLLM's behaviour where it has one): `--api-key` / `VLLM_API_KEY` requires a Bearer
+token on `/v1/*` (401 `{"error": "Unauthorized"}`, as vLLM). Additions of ours: `--lora-root`
+confines adapter paths to one directory (regular files only); every number must be finite and
+in range; every error is vLLM's JSON error shape with its status (400 bad input, 404, 405, 413
+`--max-request-bytes`, 503 overloaded (`--max-waiting-requests`) or engine down, 500 only for
+a fault); an adapter with non-finite weights is refused; an exception while prefilling,
+decoding or sampling one sequence fails that request only; a client that disconnects aborts
+its generation; string prompts are tokenised off the event loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
+import hashlib
 import inspect
 import json
 import logging
 import math
 import os
 import random
+import secrets
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -50,16 +65,43 @@ GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status, self.message = status, message
 
-    def body(self) -> dict:
-        kind = {400: "BadRequestError", 404: "NotFoundError"}.get(self.status,
-                                                                  "InternalServerError")
-        return {"error": {"message": self.message, "type": kind, "param": None,
-                          "code": self.status}}
+    def response(self) -> web.Response:
+        kind = ERROR_TYPES.get(self.status, "InternalServerError")
+        return web.json_response({"error": {"message": self.message, "type": kind,
+                                            "param": None, "code": self.status}},
+                                 status=self.status)
+
+
+def number(body: dict, key: str, default, kind=float):
+    """body[key] as a finite number of `kind` (int or float); a missing or null one is the
+    default. Python's JSON reader turns 1e999 into inf, so finiteness is checked here too."""
+    value = body.get(key)
+    if value is None:
+        return default
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{key}' must be {what}, got {value!r}.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"'{key}' must be finite, got {value!r}.")
+    if kind is int and value != int(value):
+        raise ApiError(400, f"'{key}' must be an integer, got {value!r}.")
+    try:
+        return kind(value)
+    except OverflowError as error:  # an integer beyond a float's range
+        raise ApiError(400, f"'{key}' is out of range.") from error
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
 # ---------------------------------------------------------------- LoRA
@@ -84,16 +126,47 @@ class Adapter:
     weights: dict  # module name -> (A, B, scale)
 
 
-def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: int) -> Adapter:
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_files(name: str, path: str, root: Path | None) -> list[Path]:
+    """The adapter's two files: under `root` (when the server was given one) and regular
+    files, not links, so a client cannot make the server read anything else."""
+    directory = Path(path).resolve()
+    if root is not None and not directory.is_relative_to(root):
+        raise ApiError(400, f"Loading lora {name} failed: {path} is outside the adapter root "
+                       f"{root} (--lora-root).")
+    files = [directory / part for part in ADAPTER_FILES]
+    for file in files:
+        try:
+            mode = os.lstat(file).st_mode
+        except OSError as error:
+            raise ApiError(400, f"Loading lora {name} failed: {error}") from error
+        if not stat.S_ISREG(mode):
+            raise ApiError(400, f"Loading lora {name} failed: {file} is not a regular file.")
+    return files
+
+
+def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: int,
+                 root: Path | None = None) -> Adapter:
     """A PEFT directory (as `reprorl.lora.export_peft` writes it) checked against the model."""
     from safetensors.torch import load_file
 
+    config_file, weights_file = adapter_files(name, path, root)
     try:
-        settings = json.loads((Path(path) / "adapter_config.json").read_text())
-        stored = load_file(Path(path) / "adapter_model.safetensors")
-        rank, alpha = int(settings["r"]), float(settings["lora_alpha"])
-    except Exception as error:  # missing, unreadable or malformed: all the client's fault
+        settings = json.loads(config_file.read_text(), parse_constant=_refuse_constant)
+        stored = load_file(weights_file)
+        if not isinstance(settings, dict):
+            raise ApiError(400, "adapter_config.json must hold an object")
+        rank = number(settings, "r", None, int)
+        alpha = number(settings, "lora_alpha", None)
+    except ApiError as error:
+        raise ApiError(400, f"Loading lora {name} failed: {error.message}") from error
+    except Exception as error:  # unreadable or malformed: all the client's fault
         raise ApiError(400, f"Loading lora {name} failed: {error}") from error
+    if rank is None or rank < 1 or alpha is None:
+        raise ApiError(400, f"Loading lora {name} failed: adapter_config.json needs 'r' >= 1 "
+                       "and a finite 'lora_alpha'.")
     if rank > max_rank:
         raise ApiError(400, f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
     if settings.get("use_dora"):
@@ -105,6 +178,8 @@ def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: in
         if not key.startswith(PEFT_PREFIX) or matrix not in ("lora_A", "lora_B") or (
                 module not in switches):
             raise ApiError(400, f"While loading {path}, unexpected weight {key}")
+        if not torch.isfinite(tensor).all():  # it would poison every batch it joins
+            raise ApiError(400, f"Loading lora {name} failed: {key} holds NaN or Inf values.")
         pairs.setdefault(module, {})[matrix] = tensor.float().contiguous()
     weights = {}
     for module, pair in pairs.items():
@@ -167,6 +242,7 @@ class Sequence:
     stop_reason: int | None = None
     admitted: bool = False
     aborted: bool = False
+    error: ApiError | None = None  # this request failed; the others go on
 
     @property
     def tokens(self) -> list[int]:
@@ -181,7 +257,8 @@ class Sequence:
             if not self.future.done():
                 self.future.set_exception(error) if error else self.future.set_result(self)
         self.kv = None
-        self.loop.call_soon_threadsafe(settle)
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits
+            self.loop.call_soon_threadsafe(settle)
 
 
 # ---------------------------------------------------------------- engine
@@ -217,21 +294,27 @@ class Engine(threading.Thread):
         return sum(s.length for s in list(self.running))
 
     def run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self.cond:
-                    while not (self.stopping or self.waiting or self.running):
-                        self.cond.wait()
-                    if self.stopping:
-                        return
-                    newcomers = self.schedule()
-                try:
-                    self.step(newcomers)
-                except Exception as error:  # a bug must not leave clients hanging forever
-                    log.exception("engine step failed")
-                    for seq in self.running:
-                        seq.resolve(ApiError(500, f"generation failed: {error}"))
-                    self.running.clear()
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self.cond:
+                        while not (self.stopping or self.waiting or self.running):
+                            self.cond.wait()
+                        if self.stopping:
+                            return
+                        newcomers = self.schedule()
+                    try:
+                        self.step(newcomers)
+                    except Exception as error:  # a bug outside one sequence's work
+                        log.exception("engine step failed")
+                        for seq in self.running:
+                            seq.resolve(ApiError(500, f"generation failed: {error}"))
+                        self.running.clear()
+        finally:  # stopped or broken: /health turns 503 and nobody is left waiting
+            with self.cond:
+                left, self.running, self.waiting = [*self.running, *self.waiting], [], deque()
+            for seq in left:
+                seq.resolve(ApiError(503, "The engine has stopped."))
 
     def schedule(self) -> list[Sequence]:
         """Drop aborted requests, preempt (recompute) until the running ones can decode one
@@ -239,7 +322,9 @@ class Engine(threading.Thread):
         for seq in [s for s in self.running if s.aborted]:
             self.running.remove(seq)
             self.finish(seq, "abort")
-        self.waiting = deque(s for s in self.waiting if not s.aborted)
+        for seq in [s for s in self.waiting if s.aborted]:
+            self.waiting.remove(seq)
+            self.finish(seq, "abort")
         preempted = False
         while sum(s.length + 1 for s in self.running) > self.capacity:
             seq = self.running.pop()  # the most recently admitted
@@ -265,20 +350,40 @@ class Engine(threading.Thread):
         for seq in decoding:
             groups.setdefault(id(seq.adapter), []).append(seq)
         for group in groups.values():
-            logits = self.decode(group)
-            for row, seq in enumerate(group):
-                self.sample(seq, logits[row])
+            try:
+                rows = list(zip(group, self.decode(group)))
+            except Exception:  # replay the batch row by row: only the faulty sequence fails
+                log.exception("a decode batch failed; decoding its %d rows alone", len(group))
+                rows = [(seq, self.guarded(seq, lambda s=seq: self.decode([s])[0]))
+                        for seq in group]
+            for seq, logits in rows:
+                if logits is not None:
+                    self.guarded(seq, self.sample, seq, logits)
         for seq in newcomers:
-            self.activate(seq.adapter)
-            output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
-                                logits_to_keep=1)
-            cache = output[self.cache_arg]
-            seq.kv = [(layer.keys, layer.values) for layer in cache.layers]
-            self.sample(seq, output.logits[0, -1])
+            self.guarded(seq, self.prefill, seq)
         with self.cond:
-            for seq in [s for s in self.running if s.finish_reason]:
+            for seq in [s for s in self.running if s.finish_reason or s.error]:
                 self.running.remove(seq)
-                self.finish(seq, seq.finish_reason)
+                if seq.error is None:
+                    self.finish(seq, seq.finish_reason)
+                else:
+                    seq.resolve(seq.error)
+
+    def guarded(self, seq: Sequence, work, *args):
+        """`work(*args)`; an exception fails `seq` (its request gets a 500), nothing else."""
+        try:
+            return work(*args)
+        except Exception as error:
+            log.exception("a request failed while generating")
+            seq.error = ApiError(500, f"generation failed: {type(error).__name__}: {error}")
+            return None
+
+    def prefill(self, seq: Sequence) -> None:
+        self.activate(seq.adapter)
+        output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
+                            logits_to_keep=1)
+        seq.kv = [(layer.keys, layer.values) for layer in output[self.cache_arg].layers]
+        self.sample(seq, output.logits[0, -1])
 
     def activate(self, adapter: Adapter | None) -> None:
         weights = adapter.weights if adapter else {}
@@ -318,6 +423,8 @@ class Engine(threading.Thread):
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
         scores = processed_logprobs(logits, p)
+        if torch.isnan(scores).any():  # filtered tokens are -inf; NaN means broken weights
+            raise FloatingPointError("the model's log-probs hold NaN")
         if p.temperature < GREEDY_EPS:
             token = int(scores.argmax())
         else:
@@ -340,6 +447,22 @@ class Engine(threading.Thread):
 
 
 # ---------------------------------------------------------------- HTTP
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a completion's response needs from its request body (the body is not kept)."""
+
+    model: str
+    as_ids: bool  # return_tokens_as_token_ids
+    with_ids: bool  # return_token_ids
+    skip_special: bool  # skip_special_tokens
+
+    @classmethod
+    def of(cls, body: dict, model: str) -> Reply:
+        return cls(model, bool(body.get("return_tokens_as_token_ids")),
+                   bool(body.get("return_token_ids")),
+                   body.get("skip_special_tokens", True) is not False)
 
 
 class Server:
@@ -365,17 +488,43 @@ class Server:
         self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens)
         self.piece = lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
+        # every tokenizer call runs here: off the event loop, one at a time (a fast tokenizer
+        # is not safe to call from several threads at once)
+        self.text_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.lora_root = Path(args.lora_root).resolve() if args.lora_root else None
+        keys = [key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
+        self.key_digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+
+    def authorised(self, request) -> bool:
+        """vLLM's rule: with keys set, every /v1 request but OPTIONS needs one as a Bearer
+        token (digests compared in constant time)."""
+        if not self.key_digests or request.method == "OPTIONS" or not (
+                request.path.startswith("/v1")):
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        digest = hashlib.sha256(token.encode()).digest()
+        return scheme.lower() == "bearer" and any(
+            secrets.compare_digest(digest, known) for known in self.key_digests)
 
     def app(self):
 
         @web.middleware
         async def errors(request, handler):
+            if not self.authorised(request):
+                return web.json_response({"error": "Unauthorized"}, status=401)
             try:
                 return await handler(request)
             except ApiError as error:
-                return web.json_response(error.body(), status=error.status)
+                return error.response()
+            except web.HTTPException as error:  # aiohttp's own: no route, method, body size
+                if error.status < 400:
+                    raise
+                return ApiError(error.status, error.reason).response()
+            except Exception as error:  # a fault of ours: still JSON, still one request
+                log.exception("request failed")
+                return ApiError(500, f"{type(error).__name__}: {error}").response()
 
-        app = web.Application(middlewares=[errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[errors], client_max_size=self.args.max_request_bytes)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/v1/models", self.models),
@@ -387,6 +536,8 @@ class Server:
         return app
 
     async def health(self, request):
+        if not self.engine.is_alive():
+            raise ApiError(503, "The engine thread is not running.")
         return web.Response(status=200)
 
     def card(self, name: str, root: str, parent: str | None) -> dict:
@@ -427,18 +578,29 @@ class Server:
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def body(self, request) -> dict:
+        raw = await request.read()  # over --max-request-bytes: aiohttp's 413
         try:
-            body = await request.json()
-        except ValueError as error:
+            if len(raw) > 1 << 16:  # a large body is parsed off the event loop
+                body = await asyncio.to_thread(json.loads, raw, parse_constant=_refuse_constant)
+            else:
+                body = json.loads(raw, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError) as error:  # RecursionError: nesting too deep
             raise ApiError(400, f"Invalid JSON body: {error}") from error
         if not isinstance(body, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         return body
 
+    @staticmethod
+    def text(body: dict, key: str) -> str | None:
+        value = body.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ApiError(400, f"'{key}' must be a string, got {type(value).__name__}.")
+        return value
+
     async def load_lora(self, request):
         body = await self.body(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        name, path = self.text(body, "lora_name"), self.text(body, "lora_path")
+        if not name or not path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.adapters or name == self.name:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
@@ -446,7 +608,7 @@ class Server:
             raise ApiError(400, f"{self.args.max_loras} LoRA adapters are already loaded "
                            "(--max-loras); unload one first.")
         adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.switches,
-                                          self.args.max_lora_rank)
+                                          self.args.max_lora_rank, self.lora_root)
         if name in self.adapters:  # loaded by a concurrent request meanwhile
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
         self.adapters[name] = adapter
@@ -454,28 +616,20 @@ class Server:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request):
-        name = (await self.body(request)).get("lora_name")
+        name = self.text(await self.body(request), "lora_name")
         if self.adapters.pop(name, None) is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
         log.info("unloaded LoRA adapter %s", name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     def params(self, body: dict, prompt_len: int) -> Params:
-        def number(key, default, kind=float):
-            value = body.get(key, default)
-            value = default if value is None else value
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-                    kind is int and value != int(value)):
-                raise ApiError(400, f"'{key}' must be a number, got {value!r}.")
-            return kind(value)
-
         for key in ("stream", "echo"):
             if body.get(key):
                 raise ApiError(400, f"'{key}' is not supported by this server.")
-        if number("n", 1, int) != 1:
+        if number(body, "n", 1, int) != 1:
             raise ApiError(400, "Only n=1 is supported by this server.")
         unbounded = "max_tokens" in body and body["max_tokens"] is None  # vLLM: fill the context
-        maximum = number("max_tokens", self.max_len - prompt_len if unbounded else 16, int)
+        maximum = number(body, "max_tokens", self.max_len - prompt_len if unbounded else 16, int)
         if maximum < 1:
             raise ApiError(400, f"max_tokens must be at least 1, got {maximum}.")
         if prompt_len + maximum > self.max_len:
@@ -483,29 +637,31 @@ class Server:
                            f"However, you requested {prompt_len + maximum} tokens ({prompt_len} "
                            f"in the messages, {maximum} in the completion). Please reduce the "
                            "length of the messages or completion.")
-        p = Params(maximum, number("temperature", 1.0), number("top_p", 1.0),
-                   number("top_k", 0, int), number("min_p", 0.0))
+        p = Params(maximum, number(body, "temperature", 1.0), number(body, "top_p", 1.0),
+                   number(body, "top_k", 0, int), number(body, "min_p", 0.0))
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < -1 or not 0 <= p.min_p <= 1:
             raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
                            "min_p in [0, 1].")
         if body.get("logprobs") is not None:
-            p.logprobs = number("logprobs", 0, int)
+            p.logprobs = number(body, "logprobs", 0, int)
             if not 0 <= p.logprobs <= self.args.max_logprobs:
                 raise ApiError(400, f"Requested sample logprobs of {p.logprobs}, which is "
                                f"greater than max allowed: {self.args.max_logprobs}")
         stops = body.get("stop_token_ids") or []
-        if not isinstance(stops, list) or not all(isinstance(t, int) for t in stops):
+        if not isinstance(stops, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in stops):
             raise ApiError(400, "'stop_token_ids' must be a list of token ids.")
         ignore = bool(body.get("ignore_eos", False))
         p.eos_id = None if ignore else self.eos_id
         p.stop_ids = frozenset(stops) | (frozenset() if ignore else frozenset(self.extra_eos))
         return p
 
-    def prompt(self, prompt) -> list[int]:
+    async def prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if isinstance(prompt, str) and prompt:
+            encode = functools.partial(self.tokenizer, prompt, add_special_tokens=False)
+            prompt = (await self.in_text_pool(encode))["input_ids"]
         if not isinstance(prompt, list) or not prompt or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ApiError(400, "'prompt' must be a non-empty string or list of token ids "
@@ -514,18 +670,26 @@ class Server:
             raise ApiError(400, f"Token id out of vocabulary (size {self.vocab}).")
         return prompt
 
+    async def in_text_pool(self, work):
+        return await asyncio.get_running_loop().run_in_executor(self.text_pool, work)
+
     async def completions(self, request):
         body = await self.body(request)
-        model = body.get("model") or self.name
+        model = self.text(body, "model") or self.name
         if model != self.name and model not in self.adapters:
             raise ApiError(404, f"The model `{model}` does not exist.")
-        prompt = self.prompt(body.get("prompt"))
+        if not self.engine.is_alive():
+            raise ApiError(503, "The engine thread is not running.")
+        if len(self.engine.waiting) >= self.args.max_waiting_requests:
+            raise ApiError(503, f"The server is overloaded: {len(self.engine.waiting)} requests "
+                           "are waiting (--max-waiting-requests); retry later.")
+        prompt = await self.prompt(body.get("prompt"))
         params = self.params(body, len(prompt))
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "'seed' must be an integer or null.")
+        seed = number(body, "seed", None, int)
         generator = torch.Generator().manual_seed(
             self.rng.getrandbits(63) if seed is None else seed % (1 << 64))
+        reply = Reply.of(body, model)
+        del body  # a waiting request keeps only what its reply needs
         loop = asyncio.get_running_loop()
         seq = Sequence(prompt, params, self.adapters.get(model), generator,
                        loop.create_future(), loop)
@@ -533,12 +697,12 @@ class Server:
         try:
             await seq.future
         except asyncio.CancelledError:
-            seq.aborted = True  # the client went away; the engine drops it at its next step
+            seq.aborted = True  # the client went away: the engine drops it at its next step
             raise
-        return web.json_response(self.response(seq, model, body))
+        return web.json_response(await self.in_text_pool(lambda: self.response(seq, reply)))
 
-    def response(self, seq: Sequence, model: str, body: dict) -> dict:
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
+    def response(self, seq: Sequence, reply: Reply) -> dict:
+        as_ids, model = reply.as_ids, reply.model
 
         def piece(tid: int) -> str:
             return f"token_id:{tid}" if as_ids else self.piece(tid)
@@ -557,11 +721,10 @@ class Server:
                 tokens.append(piece(tid))
                 logprobs["token_logprobs"].append(max(value, -9999.0))
                 logprobs["top_logprobs"].append(top)
-        with_ids = bool(body.get("return_token_ids"))
+        with_ids = reply.with_ids
         choice = {
             "index": 0,
-            "text": self.tokenizer.decode(
-                shown, skip_special_tokens=body.get("skip_special_tokens", True) is not False),
+            "text": self.tokenizer.decode(shown, skip_special_tokens=reply.skip_special),
             "logprobs": logprobs,
             "finish_reason": seq.finish_reason,
             "stop_reason": seq.stop_reason,
@@ -580,30 +743,53 @@ class Server:
 # ---------------------------------------------------------------- entry point
 
 
+def count(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high]."""
+    def parse(text: str) -> int:
+        value = int(text)  # not a number: argparse names the flag and the value
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
 def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="reprorl serve", description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--model", required=True, help="Hugging Face model directory")
     add("--served-model-name", default=None, help="model name in the API (default: --model)")
     add("--host", default="127.0.0.1")
-    add("--port", type=int, default=8000, help="0 picks a free port")
+    add("--port", type=count(0, 65535), default=8000, help="0 picks a free port")
     add("--port-file", default=None, help="write the bound port here once listening")
-    add("--max-model-len", type=int, default=None, help="default: max_position_embeddings")
-    add("--max-num-seqs", type=int, default=64, help="running sequences at most")
-    add("--kv-cache-tokens", type=int, default=32768, help="KV-cache capacity in tokens")
-    add("--max-loras", type=int, default=6)
-    add("--max-lora-rank", type=int, default=16)
-    add("--max-logprobs", type=int, default=20)
+    add("--api-key", nargs="+", default=None,
+        help="require one of these Bearer keys on /v1/* (default: $VLLM_API_KEY, if set)")
+    add("--lora-root", default=None,
+        help="load adapters only from below this directory (default: anywhere)")
+    add("--max-model-len", type=count(1), default=None, help="default: max_position_embeddings")
+    add("--max-num-seqs", type=count(1), default=64, help="running sequences at most")
+    add("--max-waiting-requests", type=count(1), default=1024,
+        help="queued requests at most; more are refused with 503")
+    add("--max-request-bytes", type=count(1024), default=2 << 20,
+        help="request body size at most; larger ones are refused with 413")
+    add("--kv-cache-tokens", type=count(1), default=32768, help="KV-cache capacity in tokens")
+    add("--max-loras", type=count(1), default=6)
+    add("--max-lora-rank", type=count(1), default=16)
+    add("--max-logprobs", type=count(0), default=20)
     add("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
         help="auto: the checkpoint's dtype")
-    add("--threads", type=int, default=1, help="torch threads")
+    add("--threads", type=count(1), default=1, help="torch threads")
     add("--trust-remote-code", action="store_true", help="allow the model's own code")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
 async def serve(server: Server, args) -> None:
-    runner = web.AppRunner(server.app(), access_log=None)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # generation (aiohttp 3.9+ leaves handlers running by default)
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -624,13 +810,17 @@ async def serve(server: Server, args) -> None:
     engine.stop()
     await asyncio.to_thread(engine.join, 30)
     for seq in [*engine.running, *engine.waiting]:  # answer in-flight requests, then close
-        seq.resolve(ApiError(500, "The server is shutting down."))
+        seq.resolve(ApiError(503, "The server is shutting down."))
     await asyncio.sleep(0)
     await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
+    if args.lora_root and not Path(args.lora_root).is_dir():
+        print(f"reprorl serve: error: --lora-root {args.lora_root} is not a directory",
+              file=sys.stderr)
+        return 2
     for sig in (signal.SIGTERM, signal.SIGINT):  # while loading; the event loop takes over
         signal.signal(sig, lambda *_: sys.exit(0))
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
