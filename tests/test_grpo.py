@@ -74,6 +74,16 @@ def bad_reward(completions, **kwargs):
     raise ValueError("no score for this completion")
 
 
+def constant_reward(completions, **kwargs):
+    """The same value for every completion: no group ever has signal."""
+    return [1.0] * len(completions)
+
+
+def hung_reward(completions, **kwargs):
+    time.sleep(60)
+    return [0.0] * len(completions)
+
+
 # ---------------------------------------------------------------- loops and configs
 
 
@@ -146,14 +156,14 @@ def adapter_state(trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in lora.peft_state(trainer.model).items()}
 
 
-def start_server(model: Path, directory: Path):
+def start_server(model: Path, directory: Path, *flags: str):
     """A real embedded server in its own process (the test owns it), and its URL."""
     directory.mkdir(parents=True, exist_ok=True)
     port_file, log_path = directory / "port", directory / "server.log"
     log = log_path.open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "reprorl.grpo.server", "--model", str(model), "--port", "0",
-         "--port-file", str(port_file), "--max-model-len", "128"],
+         "--port-file", str(port_file), "--max-model-len", "128", *flags],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while not port_file.exists():
@@ -398,25 +408,32 @@ def test_killed_worker_is_reported_with_its_exit_code(tiny_model, tmp_path):
     assert_stopped(Path(args.output_dir), trainer)
 
 
+def fails_after_step_1(tiny_model, tmp_path, url, at_step_1, **overrides):
+    """A run against the server at `url` in which `at_step_1()` is called at the first step's
+    log line; returns train()'s ServerDownError text, its seconds and the run's args. No
+    weight sync after the cold one: only the worker talks to the server afterwards."""
+    def log(message):
+        if message.startswith("step 1:"):
+            at_step_1()
+
+    args = make_args(tmp_path, "out", embedded_server=False, vllm_server_base_url=url,
+                     weight_sync_steps=1000, max_steps=1000, **overrides)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=log)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="ServerDownError") as caught:
+        trainer.train()
+    assert trainer.worker is None
+    return str(caught.value), time.monotonic() - started, args
+
+
 @pytest.mark.timeout(150)
 def test_server_down_names_the_server_and_the_retries(tiny_model, tmp_path):
     server, server_log, url = start_server(tiny_model, tmp_path / "server")
     try:
-        def log(message):
-            if message.startswith("step 1:") and server.poll() is None:
-                server.kill()
-                server.wait()
-
-        # No weight sync after the cold one: only the worker talks to the server afterwards.
-        args = make_args(tmp_path, "out", embedded_server=False, vllm_server_base_url=url,
-                         vllm_max_retries=2, weight_sync_steps=1000, max_steps=1000)
-        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
-                                   args=args, train_dataset=make_rows(4), log=log)
-        started = time.monotonic()
-        with pytest.raises(RuntimeError, match="ServerDownError") as caught:
-            trainer.train()
-        assert time.monotonic() - started < 60
-        text = str(caught.value)
+        text, seconds, args = fails_after_step_1(
+            tiny_model, tmp_path, url, lambda: (server.kill(), server.wait()), vllm_max_retries=2)
+        assert seconds < 60
         assert f"the generation server at {url} failed 3 times" in text, text
         assert "raise vllm_max_retries" in text
         assert server.returncode == -signal.SIGKILL  # the test's kill, not something else
@@ -425,11 +442,28 @@ def test_server_down_names_the_server_and_the_retries(tiny_model, tmp_path):
         # Recorded per successful request only: the server never came back, so none of them
         # needed a retry (the failed ones raised instead).
         assert total(lines, "rollout/vllm_retry_count") == 0
-        assert trainer.worker is None
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
+        server_log.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_server_that_stops_answering_times_out_per_request(tiny_model, tmp_path):
+    """The real server frozen (SIGSTOP) after the first step: the kernel still accepts its
+    connections, nothing answers. Each request gives up after vllm_request_timeout."""
+    server, server_log, url = start_server(tiny_model, tmp_path / "server")
+    try:
+        text, seconds, _ = fails_after_step_1(
+            tiny_model, tmp_path, url, lambda: server.send_signal(signal.SIGSTOP),
+            vllm_max_retries=1, vllm_request_timeout=3.0)
+        assert seconds < 90
+        assert f"the generation server at {url} failed 2 times (last: TimeoutError" in text
+    finally:
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait()
         server_log.close()
 
 
@@ -491,3 +525,120 @@ def test_oversize_samples_are_dropped_with_a_warning(tiny_model, tmp_path, caplo
     state = json.loads((Path(args.output_dir) / f"checkpoint-{result.global_step}"
                         / "rollout_state.json").read_text())
     assert state["next_prompt_index"] == 3
+
+
+# ---------------------------------------------------------------- hardening
+
+
+@pytest.mark.timeout(240)
+def test_a_server_with_an_api_key_serves_the_trainer_and_refuses_others(tiny_model, tmp_path):
+    server, server_log, url = start_server(tiny_model, tmp_path / "server", "--api-key",
+                                           "s3cret")
+    try:
+        keyless = requests.post(f"{url}/v1/completions", json={"prompt": [5]}, timeout=10)
+        assert keyless.status_code == 401 and keyless.json() == {"error": "Unauthorized"}
+        wrong = make_args(tmp_path, "wrong", embedded_server=False, vllm_server_base_url=url,
+                          vllm_server_api_key="guess", max_steps=2)
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                   args=wrong, train_dataset=make_rows(4), log=lambda m: None)
+        with pytest.raises(RuntimeError, match=r"requires an API key \(HTTP 401\) and the key "
+                           "given was refused: set vllm_server_api_key"):
+            trainer.train()
+        args = make_args(tmp_path, "out", embedded_server=False, vllm_server_base_url=url,
+                         vllm_server_api_key="s3cret", max_steps=2)
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                   args=args, train_dataset=make_rows(4), log=lambda m: None)
+        assert trainer.train().global_step == 2
+        state = (Path(args.output_dir) / "checkpoint-2" / "rollout_state.json").read_text()
+        assert "s3cret" not in state  # the key is never written into a checkpoint
+    finally:
+        server.kill()
+        server.wait()
+        server_log.close()
+
+
+def test_the_embedded_server_has_a_fresh_key_and_serves_only_the_run_adapters(e2e):
+    """The e2e run's server wanted its own random key and loaded adapters only from the run's
+    `.vllm_lora`; the key reached neither the command line nor the checkpoints."""
+    trainer, out = e2e["trainer"], e2e["out"]
+    key = trainer.args.vllm_server_api_key
+    assert key and len(key) >= 32
+    assert all(key not in p.read_text() for p in out.rglob("*.json"))
+    log = (out / "server.log").read_text()
+    assert key not in log and "loaded LoRA adapter policy-v0 from " + str(
+        (out / ".vllm_lora" / "v0").resolve()) in log
+
+
+UNGUARDED = """
+from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from test_grpo import BASE, make_rows, token_sum_reward
+
+trainer = AsyncGRPOTrainer(model={model!r}, reward_funcs=token_sum_reward,
+                           train_dataset=make_rows(4),
+                           args=AsyncGRPOConfig(output_dir={out!r}, **{{**BASE, "max_steps": 2}}))
+trainer.train()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_script_without_a_main_guard_fails_at_once_with_the_fix(tiny_model, tmp_path):
+    """The README example copied into a script as is: the spawned worker imports the script,
+    which must not build a second trainer; the user gets the fix in one line."""
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED.format(model=str(tiny_model), out=str(tmp_path / "out")))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            env=env, timeout=170, check=False)
+    assert result.returncode != 0
+    assert time.monotonic() - started < 120
+    last = result.stderr.strip().splitlines()[-1]
+    assert "the rollout worker exited with code 1 while starting" in last, result.stderr
+    assert 'under `if __name__ == "__main__":`' in last
+    assert "AsyncGRPOTrainer built inside the spawned rollout worker" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_rewards_without_signal_stop_the_run_after_an_epoch(tiny_model, tmp_path):
+    """max_steps=1 with a reward that is the same for every completion: no step can happen;
+    after an epoch of prompts the run stops and says why."""
+    args = make_args(tmp_path, "out", max_steps=1)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=constant_reward, args=args,
+                               train_dataset=make_rows(3), log=lambda m: None)
+    with pytest.raises(RuntimeError, match=r"3 prompt positions in a row \(an epoch of 3 "
+                       r"prompts\) gave no sample to train; what arrived instead: 3 zero_std "
+                       r"groups\. GRPO learns only from groups whose rewards differ"):
+        trainer.train()
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+@pytest.mark.timeout(180)
+def test_a_hung_reward_function_times_out(tiny_model, tmp_path):
+    args = make_args(tmp_path, "out", max_steps=2, reward_timeout=2.0)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=hung_reward, args=args,
+                               train_dataset=make_rows(2), log=lambda m: None)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"reward function 'hung_reward' took more than "
+                       r"reward_timeout=2 s to score one group"):
+        trainer.train()
+    assert time.monotonic() - started < 60
+    assert_stopped(Path(args.output_dir), trainer)
+
+
+@pytest.mark.timeout(180)
+def test_a_diverged_policy_is_never_published(tiny_model, tmp_path):
+    """A learning rate that overflows the weights: the step that makes them non-finite stops
+    the run before the version is written or loaded."""
+    args = make_args(tmp_path, "out", max_steps=20, learning_rate=1e38, save_steps=1)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=lambda m: None)
+    with pytest.raises(RuntimeError, match=r"step (\d+) left the policy's parameters "
+                       r"non-finite") as caught:
+        trainer.train()
+    bad = int(re.search(r"step (\d+) left", str(caught.value)).group(1))
+    out = Path(args.output_dir)
+    assert not (out / f"checkpoint-{bad}").exists()
+    assert (out / f"checkpoint-{bad - 1}").exists() or bad == 1
+    assert_stopped(out, trainer)
+

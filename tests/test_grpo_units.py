@@ -104,7 +104,7 @@ class Pipeline:
     """A SampleQueue with its inputs, filled as the worker would fill them."""
 
     def __init__(self, end=None, max_staleness=1, budget=16, max_samples=4, baseline=None,
-                 patience=3):
+                 patience=3, stall_positions=None, stall_timeout=float("inf")):
         self.groups, self.version = queue.Queue(), SimpleNamespace(value=0)
         self.tokens, self.count = Counter(), Counter()
         self.ledger, self.window, self.messages = PositionLedger(end=end), MetricsWindow(), []
@@ -113,7 +113,8 @@ class Pipeline:
         self.queue = SampleQueue(self.groups, self.ledger, self.version, max_staleness,
                                  self.tokens, self.count, self.window,
                                  check_worker=self.check, baseline_counters=baseline,
-                                 log=self.messages.append)
+                                 log=self.messages.append, stall_positions=stall_positions,
+                                 stall_timeout=stall_timeout)
 
     def check(self):
         self.checks += 1
@@ -123,7 +124,8 @@ class Pipeline:
     def put(self, position: int, *samples: Sample) -> None:
         self.tokens.value += sum(s.tokens for s in samples)
         self.count.value += len(samples)
-        self.groups.put(GroupResult(position, list(samples), "trained" if samples else "zero"))
+        self.groups.put(GroupResult(position, list(samples),
+                                    "trained" if samples else "zero_std"))
 
     def metrics(self) -> dict:
         return self.window.reduce()
@@ -196,6 +198,32 @@ def test_queue_returns_what_it_has_when_the_baseline_batch_is_complete():
     assert not p.queue.exhausted
 
 
+def test_an_epoch_of_positions_without_samples_stops_the_run_naming_why():
+    from reprorl.grpo.sample_queue import StalledRun
+
+    p = Pipeline(stall_positions=3, patience=3, max_samples=1)
+    p.put(0)
+    p.put(1, sample(1))  # one group with signal: trained, the count starts again
+    assert [s.position for s in p.queue.next_microbatch(p.batcher)] == [1]
+    for position in range(2, 5):
+        p.put(position)  # every completion of these groups got the same reward
+    with pytest.raises(StalledRun, match=r"3 prompt positions in a row \(an epoch of 3 "
+                       r"prompts\) gave no sample to train; what arrived instead: 3 "
+                       r"zero_std groups\. GRPO learns only from groups whose rewards differ"):
+        p.queue.next_microbatch(p.batcher)
+
+
+def test_no_trained_sample_for_stall_timeout_stops_the_run():
+    from reprorl.grpo.sample_queue import StalledRun
+
+    p = Pipeline(stall_timeout=0.2, patience=10_000)
+    started = time.monotonic()
+    with pytest.raises(StalledRun, match=r"no sample was trained for 0 s \(stall_timeout=0.2 "
+                       r"s\); what arrived instead: nothing\. the worker is alive"):
+        p.queue.next_microbatch(p.batcher)
+    assert 0.2 <= time.monotonic() - started < 5
+
+
 def test_queue_counts_the_time_it_waited():
     p = Pipeline(end=1, patience=1000)
     threading.Timer(0.2, p.put, (0, sample(0))).start()
@@ -237,7 +265,7 @@ class FakeProcess:
 
 def handle(timeout: float = 30.0, process: FakeProcess | None = None):
     signals = WorkerSignals(SimpleNamespace(value=time.time()), threading.Event(),
-                            queue.Queue(), threading.Event())
+                            queue.Queue(), threading.Event(), threading.Event())
     context = SimpleNamespace(Process=lambda **kw: process or FakeProcess(**kw))
     return WorkerHandle(context, signals, timeout), signals
 
@@ -249,6 +277,21 @@ def test_worker_is_spawned_with_the_gpu_hidden(monkeypatch):
     assert worker.process.env_at_start == "" and worker.process.daemon
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"  # the trainer's own is restored
     assert worker.pid == 1234 and worker.failure() is None
+
+
+def test_worker_that_dies_while_starting_is_reported_at_once_with_the_fix():
+    worker, signals = handle()
+    worker.start(target=print, args=())
+    worker.process.alive, worker.process.exitcode = False, 1  # the spawn's import failed
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with code 1 while starting, before any of "
+                       "its own code ran .*: the fix"):
+        worker.wait_started("the fix")
+    assert time.monotonic() - started < 1
+    worker, signals = handle()
+    worker.start(target=print, args=())
+    signals.started.set()
+    worker.wait_started("unused")  # running: returns at once
 
 
 def test_worker_failure_names_traceback_exit_code_or_silence():

@@ -6,14 +6,17 @@ log-probs when the server runs `--logprobs-mode processed_logprobs`), `/health`,
 (`max_model_len`), `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`.
 
 `CompletionClient` (asyncio, aiohttp) runs in the rollout worker; a failed request (connection
-error, timeout, HTTP 5xx) is retried `max_retries` times with backoff, then raises an error
-naming the server. An HTTP 4xx is the request's fault and raises at once with the server's
-message. `ServerAdmin` (blocking, requests) is the trainer's: readiness and adapters.
+error, timeout, HTTP 5xx, which includes a server's 503 "overloaded") is retried `max_retries`
+times with backoff, then raises an error naming the server. An HTTP 4xx is the request's fault
+and raises at once with the server's message. `ServerAdmin` (blocking, requests) is the
+trainer's: readiness and adapters. Both send `api_key` as a Bearer token when one is given (a
+server started with `--api-key` answers 401 otherwise); `timeout` bounds each request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -76,9 +79,21 @@ def parse_prometheus(text: str) -> dict:
     return out
 
 
+def auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def unauthorised(base_url: str, api_key: str | None) -> str:
+    given = "the key given was refused" if api_key else "no key was given"
+    return (f"the generation server at {base_url} requires an API key (HTTP 401) and {given}: "
+            "set vllm_server_api_key (or VLLM_API_KEY) to its --api-key")
+
+
 class CompletionClient:
-    def __init__(self, base_url: str, timeout: float, max_retries: int):
+    def __init__(self, base_url: str, timeout: float, max_retries: int,
+                 api_key: str | None = None):
         self.base_url, self.timeout, self.max_retries = base_url.rstrip("/"), timeout, max_retries
+        self.api_key = api_key
         self.session = None
         self._max_model_len = None
 
@@ -87,7 +102,7 @@ class CompletionClient:
 
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout),
-            connector=aiohttp.TCPConnector(limit=0))
+            connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(self.api_key))
 
     async def aclose(self) -> None:
         if self.session is not None:
@@ -107,13 +122,13 @@ class CompletionClient:
                 async with self.session.post(f"{self.base_url}/v1/completions",
                                              json=body) as response:
                     text = await response.text()
+                    if response.status == 401:
+                        raise ServerRequestError(unauthorised(self.base_url, self.api_key), 401)
                     if response.status < 500:
                         if response.status != 200:
                             raise ServerRequestError(
                                 f"the generation server refused a request (HTTP "
                                 f"{response.status}): {text[:500]}", response.status)
-                        import json
-
                         return parse_completion(json.loads(text)), retries
                     last = f"HTTP {response.status}: {text[:200]}"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
@@ -141,6 +156,8 @@ class CompletionClient:
     async def max_model_len(self) -> int:
         if self._max_model_len is None:
             async with self.session.get(f"{self.base_url}/v1/models") as response:
+                if response.status == 401:
+                    raise ServerRequestError(unauthorised(self.base_url, self.api_key), 401)
                 self._max_model_len = int((await response.json())["data"][0]["max_model_len"])
         return self._max_model_len
 
@@ -160,10 +177,26 @@ class ServerDownError(RuntimeError):
 class ServerAdmin:
     """The trainer's blocking calls: readiness, model length, adapters, metrics."""
 
-    def __init__(self, base_url: str, timeout: float):
-        self.base_url, self.timeout = base_url.rstrip("/"), timeout
+    def __init__(self, base_url: str, timeout: float, api_key: str | None = None):
+        self.base_url, self.timeout = base_url.rstrip("/"), timeout  # timeout: per request
+        self.session = requests.Session()
+        self.session.headers.update(auth_headers(api_key))
+        self.api_key = api_key
 
-    def wait_ready(self, process=None, log_path=None) -> None:
+    def request(self, method: str, path: str, **kwargs) -> requests.Response:
+        timeout = kwargs.pop("timeout", self.timeout)
+        try:
+            response = self.session.request(method, f"{self.base_url}{path}", timeout=timeout,
+                                            **kwargs)
+        except requests.Timeout as error:
+            raise TimeoutError(f"the generation server at {self.base_url} did not answer "
+                               f"{method} {path} within {timeout:g} s (vllm_request_timeout)"
+                               ) from error
+        if response.status_code == 401:
+            raise RuntimeError(unauthorised(self.base_url, self.api_key))
+        return response
+
+    def wait_ready(self, startup_timeout: float, process=None, log_path=None) -> None:
         started = time.monotonic()
         while True:
             try:
@@ -175,21 +208,20 @@ class ServerAdmin:
                 tail = Path(log_path).read_text()[-2000:] if log_path else ""
                 raise RuntimeError(f"the embedded server exited with code "
                                    f"{process.returncode} before it was ready:\n{tail}")
-            if time.monotonic() - started > self.timeout:
+            if time.monotonic() - started > startup_timeout:
                 raise TimeoutError(f"no generation server answered {self.base_url}/health "
-                                   f"within {self.timeout:.0f} s; start it or raise "
+                                   f"within {startup_timeout:.0f} s; start it or raise "
                                    "vllm_server_timeout")
             time.sleep(0.2)
 
     def max_model_len(self) -> int:
-        response = requests.get(f"{self.base_url}/v1/models", timeout=self.timeout)
+        response = self.request("GET", "/v1/models")
         response.raise_for_status()
         return int(response.json()["data"][0]["max_model_len"])
 
     def load_lora_adapter(self, name: str, path: str) -> None:
-        response = requests.post(f"{self.base_url}/v1/load_lora_adapter",
-                                 json={"lora_name": name, "lora_path": path,
-                                       "load_inplace": False}, timeout=self.timeout)
+        response = self.request("POST", "/v1/load_lora_adapter", json={
+            "lora_name": name, "lora_path": path, "load_inplace": False})
         if response.status_code == 404:
             raise RuntimeError(f"{self.base_url} has no /v1/load_lora_adapter: start vLLM with "
                                "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
@@ -198,12 +230,11 @@ class ServerAdmin:
                                f"HTTP {response.status_code} {response.text[:300]}")
 
     def unload_lora_adapter(self, name: str) -> None:
-        requests.post(f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": name},
-                      timeout=self.timeout)
+        self.request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
     def metrics(self) -> dict | None:
         try:
-            response = requests.get(f"{self.base_url}/metrics", timeout=10)
+            response = self.request("GET", "/metrics", timeout=10)
         except requests.RequestException:
             return None
         return parse_prometheus(response.text) if response.status_code == 200 else None

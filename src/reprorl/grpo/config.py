@@ -6,9 +6,12 @@ Only the fields this engine reads are declared (TRL's class also carries every
 `report_to` (metrics go to JSONL and the console), `lr_scheduler_kwargs` (the two schedules
 here take none). Departures: `bf16=None` means "mixed precision on a CUDA trainer", which this
 CPU engine never is (the seed turns bf16 on unless fp16); `ignore_data_skip` can only be True,
-as in the seed. Additions of ours, grouped at the end: `embedded_server*` (start the CPU
-server shipped here), `synchronous` (the benchmark's baseline), `vllm_max_retries` and
-`lora_rank` / `lora_alpha` (a fresh adapter's shape).
+as in the seed; `vllm_server_timeout` bounds the start-up wait only (the seed uses it for
+weight syncs too), `vllm_request_timeout` each request. Additions of ours, grouped at the end:
+`embedded_server*` (start the CPU server shipped here), `synchronous` (the benchmark's
+baseline), `vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
+`reward_timeout` and `stall_timeout`, and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
+Every number is checked finite and in range when the config is made.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class AsyncGRPOConfig:
     vllm_server_base_url: str = option(
         "http://localhost:8000", "Base URL of the generation server (vLLM or the embedded one).")
     vllm_server_timeout: float = option(
-        1800.0, "Seconds to wait for the server, per request and per weight sync.")
+        1800.0, "Seconds to wait for the server to come up (its /health) at the start.")
     # ---- loss
     epsilon: float = option(0.2, "Lower clip range of the surrogate.")
     epsilon_high: float | None = option(
@@ -123,6 +126,14 @@ class AsyncGRPOConfig:
         False, "Baseline: generate one step's samples, then train, one version at a time.")
     vllm_max_retries: int = option(
         3, "Retries of a failed sampling request before the worker gives up.")
+    vllm_server_api_key: str | None = option(
+        None, "Bearer key of the server's --api-key (None: $VLLM_API_KEY; embedded: a fresh one).")
+    vllm_request_timeout: float = option(
+        600.0, "Seconds one request to the server may take (sampling, adapter load, metrics).")
+    reward_timeout: float = option(
+        600.0, "Seconds one reward function may take to score one group before the run fails.")
+    stall_timeout: float = option(
+        1800.0, "Seconds without a trained sample before the run stops with an error naming why.")
     lora_rank: int = option(8, "LoRA rank of a fresh adapter.")
     lora_alpha: float = option(16.0, "LoRA alpha of a fresh adapter.")
 
@@ -166,7 +177,25 @@ class AsyncGRPOConfig:
         if self.synchronous and self.weight_sync_steps != 1:
             yield "synchronous=True needs weight_sync_steps=1 (one version per step)"
 
+    def _number_problems(self):
+        """Every numeric field a finite number of its declared kind (None where allowed)."""
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            kinds = str(spec.type)
+            if value is None or not ("int" in kinds or "float" in kinds):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                yield f"{spec.name} must be a number, got {value!r}"
+            elif not math.isfinite(value):
+                yield f"{spec.name} must be finite, got {value!r}"
+            elif "float" not in kinds and value != int(value):
+                yield f"{spec.name} must be a whole number, got {value!r}"
+
     def _range_problems(self):
+        numbers = list(self._number_problems())
+        if numbers:
+            yield from numbers
+            return  # the checks below compare numbers
         if self.temperature <= 0:
             yield "temperature must be > 0 (the trainer divides logits by it)"
         if self.num_generations < 2:
@@ -176,11 +205,25 @@ class AsyncGRPOConfig:
             yield ("need 0 < vllm_importance_sampling_clip_min <= 1 <= "
                    "vllm_importance_sampling_clip_max")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
-                     "weight_sync_steps", "max_concurrent_rollouts", "max_completion_length"):
-            if getattr(self, name) < 1:
+                     "weight_sync_steps", "max_concurrent_rollouts", "max_completion_length",
+                     "embedded_server_threads", "embedded_server_max_num_seqs", "lora_rank",
+                     "token_budget", "embedded_server_max_model_len", "save_total_limit"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 yield f"{name} must be >= 1"
-        if self.max_staleness < 0:
-            yield "max_staleness must be >= 0"
+        for name in ("max_staleness", "vllm_max_retries", "num_sampler_logprobs",
+                     "learning_rate", "weight_decay", "warmup_steps", "epsilon"):
+            if getattr(self, name) < 0:
+                yield f"{name} must be >= 0"
+        for name in ("num_train_epochs", "max_grad_norm", "adam_epsilon", "lora_alpha",
+                     "vllm_server_timeout", "vllm_request_timeout", "rollout_worker_timeout",
+                     "reward_timeout", "stall_timeout"):
+            if getattr(self, name) <= 0:
+                yield f"{name} must be > 0"
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                yield f"{name} must be in [0, 1)"
+        if self.epsilon_high < self.epsilon:
+            yield "epsilon_high must be >= epsilon"
         if self.score_centering and self.num_sampler_logprobs < 1:
             yield "score_centering needs num_sampler_logprobs >= 1"
 

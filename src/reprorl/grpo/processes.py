@@ -1,9 +1,10 @@
 """The trainer's child processes: the rollout worker and the embedded generation server.
 
 Both die with the trainer (`die_with_parent`), so a killed trainer leaves neither behind.
-`WorkerHandle` spawns the worker with the GPU hidden, and tells a failed worker (its
-traceback), a dead one (its exit code) and a hung one (no heartbeat) apart; `ServerProcess`
-starts `reprorl serve` and waits for the port file it writes once listening.
+`WorkerHandle` spawns the worker with the GPU hidden, waits until it runs (a worker that dies
+while starting is reported at once), and tells a failed worker (its traceback), a dead one (its
+exit code) and a hung one (no heartbeat) apart; `ServerProcess` starts `reprorl serve` and
+waits for the port file it writes once listening.
 """
 
 from __future__ import annotations
@@ -57,11 +58,12 @@ class WorkerSignals:
     failed: Any  # event: the worker raised, after putting its traceback
     tracebacks: Any  # queue: the worker's formatted traceback
     stop: Any  # event: the trainer asks the worker to stop
+    started: Any  # event: the worker's own code runs (the spawn's imports are done)
 
     @classmethod
     def create(cls, context) -> WorkerSignals:
         return cls(context.RawValue("d", time.time()), context.Event(), context.Queue(),
-                   context.Event())
+                   context.Event(), context.Event())
 
     def worker_kwargs(self) -> dict:
         """Their names among `AsyncRolloutLoop`'s arguments."""
@@ -81,6 +83,21 @@ class WorkerHandle:
                                            daemon=True)
             process.start()
         self.process = process  # only once started: stop() joins it
+
+    def wait_started(self, hint: str) -> None:
+        """Return once the worker runs its own code; a worker that exits first failed while
+        the spawn imported the parent's script (its error went to stderr): say so, with `hint`,
+        the usual fix."""
+        started = time.monotonic()
+        while not self.signals.started.wait(0.05):
+            if not self.process.is_alive():
+                raise RuntimeError(
+                    f"the rollout worker exited with code {self.process.exitcode} while "
+                    f"starting, before any of its own code ran (its error is on stderr above): "
+                    f"{hint}")
+            if time.monotonic() - started > self.timeout:
+                raise RuntimeError(f"the rollout worker did not start within {self.timeout:g} s "
+                                   "(rollout_worker_timeout)")
 
     @property
     def pid(self) -> int | None:
@@ -108,7 +125,9 @@ class WorkerHandle:
                     f"rollout_worker_timeout={self.timeout:g} s): it is hung")
         return None
 
-    def raise_if_failed(self) -> None:
+    def raise_if_failed(self, wait: float = 0.0) -> None:
+        """Raise the worker's failure, waiting up to `wait` seconds for its report."""
+        self.signals.failed.wait(wait)
         failure = self.failure()
         if failure:
             raise RuntimeError(failure)
@@ -137,11 +156,13 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
         self.log = None
 
-    def start(self, timeout: float) -> str:
-        """Start it and return its URL once it listens."""
+    def start(self, timeout: float, env: dict[str, str] | None = None) -> str:
+        """Start it (with `env` added to this process's environment: secrets go there, not on
+        the command line that `ps` shows) and return its URL once it listens."""
         self.port_file.unlink(missing_ok=True)
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop)
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **(env or {})},
                                         preexec_fn=die_with_parent)  # noqa: PLW1509 (a prctl)
         started = time.monotonic()
         while not self.port_file.exists():

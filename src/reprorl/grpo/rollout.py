@@ -35,6 +35,7 @@ import signal
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,8 +325,13 @@ class AsyncRolloutLoop:
 
     async def run(self) -> None:
         self.client = CompletionClient(self.config.vllm_server_base_url,
-                                       self.config.vllm_server_timeout,
-                                       self.config.vllm_max_retries)
+                                       self.config.vllm_request_timeout,
+                                       self.config.vllm_max_retries,
+                                       self.config.vllm_server_api_key)
+        # sync reward functions run here, not in asyncio's default pool: a hung one must not
+        # keep asyncio.run() from returning (it waits for the default pool's threads)
+        self.reward_pool = ThreadPoolExecutor(max(1, len(self.reward_funcs)),
+                                              thread_name_prefix="reward")
         self.score_queue: asyncio.Queue = asyncio.Queue(self.score_queue_maxsize)
         self.slots = asyncio.Condition()
         await self.client.open()
@@ -354,6 +360,7 @@ class AsyncRolloutLoop:
             try:
                 await self.close()
             finally:
+                self.reward_pool.shutdown(wait=False, cancel_futures=True)
                 await self.client.aclose()
                 self.flush_records()
 
@@ -565,13 +572,19 @@ class AsyncRolloutLoop:
     async def _call_reward(self, func, group: RolloutGroup) -> list:
         kwargs = dict(prompts=group.prompts, completions=group.completions,
                       completion_ids=group.completions_ids, **group.reward_kwargs)
-        name = reward_name(func)
+        name, limit = reward_name(func), self.config.reward_timeout
         try:
             if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
                     type(func).__call__):
-                values = await func(**kwargs)
+                values = await asyncio.wait_for(func(**kwargs), limit)
             else:
-                values = await asyncio.to_thread(func, **kwargs)
+                call = functools.partial(contextvars.copy_context().run, func, **kwargs)
+                values = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    self.reward_pool, call), limit)
+        except TimeoutError as error:
+            raise RuntimeError(f"reward function {name!r} took more than reward_timeout="
+                               f"{limit:g} s to score one group: it is hung, or raise "
+                               "reward_timeout if it is only slow") from error
         except Exception as error:
             raise RuntimeError(f"reward function {name!r} raised {type(error).__name__}: "
                                f"{error}") from error
@@ -638,8 +651,12 @@ class AsyncRolloutLoop:
         self._put(GroupResult(group.position, samples))
 
 
-def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None) -> None:
-    """Entry point of the spawned worker process (CPU only, its own event loop)."""
+def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None,
+                     started=None) -> None:
+    """Entry point of the spawned worker process (CPU only, its own event loop); `started`
+    (an event) is set first thing, so the trainer can tell a failed spawn apart."""
+    if started is not None:
+        started.set()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     if parent_pid is not None:
         armed = die_with_parent(signal.SIGKILL)  # killed with the trainer, whatever it runs

@@ -8,12 +8,17 @@ staleness again then (a step and a weight sync may have passed). Every taken or 
 leaves the shared queued-token and queued-sample counters at once, not after the step: a step
 that held the whole token allowance would otherwise wait for a group the worker may not start.
 Every arrival, training and drop is entered in the `PositionLedger`.
+
+Watchdog: when `stall_positions` prompt positions in a row (an epoch's worth) arrive without a
+sample (dropped for zero reward variance, or filtered), or no sample is trained for
+`stall_timeout` seconds, the run stops with a `StalledRun` error that counts what arrived.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import queue
 import time
 
@@ -24,10 +29,15 @@ from .rollout import GroupResult, Sample, is_stale
 logger = logging.getLogger("reprorl.grpo")
 
 
+class StalledRun(RuntimeError):
+    """No sample reached training for an epoch of prompts, or for `stall_timeout` seconds."""
+
+
 class SampleQueue:
     def __init__(self, groups, ledger: PositionLedger, version, max_staleness: int,
                  queued_tokens, queued_samples, window: MetricsWindow, *,
-                 check_worker=lambda: None, baseline_counters=None, log=print):
+                 check_worker=lambda: None, baseline_counters=None, log=print,
+                 stall_positions: int | None = None, stall_timeout: float = math.inf):
         self.groups = groups  # the worker's GroupResults (get(timeout=...), queue.Empty)
         self.ledger = ledger
         self.version = version  # .value: the newest published weight version
@@ -43,6 +53,9 @@ class SampleQueue:
         self.received = 0  # GroupResults taken off the queue
         self.exhausted = False  # epoch mode: no position is left to arrive
         self.wait_s = 0.0  # time spent waiting for groups since take_wait_s()
+        self.stall_positions, self.stall_timeout = stall_positions, stall_timeout
+        self.last_trained = time.monotonic()  # when a sample last went to training
+        self.since_trained: collections.Counter = collections.Counter()  # what came instead
 
     def next_microbatch(self, batcher) -> list[Sample]:
         """Samples for one micro-batch: as many as fit, or fewer when none is waiting any more
@@ -55,6 +68,7 @@ class SampleQueue:
             oversize = batcher.oversize(sample)
             self.window.add("batch/dropped_oversize_count", int(oversize))
             if oversize:
+                self.since_trained["samples over token_budget"] += 1
                 logger.warning("dropping a sample of %d tokens: over token_budget=%d",
                                sample.tokens, batcher.token_budget)
                 self.log(f"warning: dropped a {sample.tokens}-token sample (token_budget "
@@ -68,6 +82,8 @@ class SampleQueue:
             self.window.add("rollout/queue_size", self.queued_samples.value)
             self._release(sample)
             samples.append(sample)
+            self.last_trained = time.monotonic()
+            self.since_trained.clear()
         return samples
 
     def take_wait_s(self) -> float:
@@ -86,6 +102,7 @@ class SampleQueue:
                 self.window.add("sample/dropped_stale_count", int(stale))  # 0s: always logged
                 if not stale:
                     return sample
+                self.since_trained["stale samples"] += 1
                 self._drop(sample)
             started = time.monotonic()
             group = self._next_group()
@@ -105,11 +122,35 @@ class SampleQueue:
                 if self._baseline_batch_complete():
                     return None  # baseline: the worker's batch is all here, train on it
                 self.check_worker()
+                self._check_stall()
                 continue
             self.received += 1
+            if not group.samples:  # a position that cannot lead to training
+                self.since_trained["empty"] += 1
+                self.since_trained[f"{group.reason} groups"] += 1
+            self._check_stall()
             return group
         self.exhausted = True
         return None
+
+    def _check_stall(self) -> None:
+        idle_s, seen = time.monotonic() - self.last_trained, self.since_trained
+        if self.stall_positions is not None and seen["empty"] >= self.stall_positions:
+            why = (f"{seen['empty']} prompt positions in a row (an epoch of "
+                   f"{self.stall_positions} prompts) gave no sample to train")
+            hint = ("GRPO learns only from groups whose rewards differ: check the reward "
+                    "functions (a reward that gives every completion of a group the same "
+                    "value leaves nothing to learn), filter_prompt, max_staleness, token_budget")
+        elif idle_s > self.stall_timeout:
+            why = (f"no sample was trained for {idle_s:.0f} s (stall_timeout="
+                   f"{self.stall_timeout:g} s)")
+            hint = ("the worker is alive: look for a generation server that accepts requests "
+                    "but does not answer, or a reward function that does not return")
+        else:
+            return
+        counts = ", ".join(f"{n} {what}" for what, n in sorted(seen.items())
+                           if n and what != "empty") or "nothing"
+        raise StalledRun(f"{why}; what arrived instead: {counts}. {hint}")
 
     def _baseline_batch_complete(self) -> bool:
         counters = self.baseline_counters

@@ -27,6 +27,7 @@ import math
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import sys
@@ -56,7 +57,7 @@ from .loss import (
 from .metrics import MetricsLog, MetricsWindow, console_line
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import AsyncRolloutLoop, Sample, drain, reward_name, run_rollout_loop
-from .sample_queue import SampleQueue
+from .sample_queue import SampleQueue, StalledRun
 from .weights import AdapterVersions
 
 LORA_NAME = "policy"  # served as policy-v<N>
@@ -93,6 +94,19 @@ def checkpointing_on(model) -> bool:
         if hasattr(type(model), name):
             return bool(getattr(model, name))
     return False
+
+
+MAIN_GUARD = ('put the code that builds and trains the trainer under `if __name__ == '
+              '"__main__":` in your script: the rollout worker is a spawned process, which '
+              'imports your script first')
+
+
+def refuse_spawned_import() -> None:
+    """A trainer built while a spawned child imports the parent's script (no main guard)
+    would start a second server and rewrite the parent's output_dir: fail at once instead."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(f"AsyncGRPOTrainer built inside the spawned rollout worker: "
+                           f"{MAIN_GUARD}")
 
 
 class TrainOutput(NamedTuple):
@@ -197,6 +211,7 @@ class AsyncGRPOTrainer:
                  train_dataset=None, processing_class=None, peft_config=None,
                  lora_path: str | None = None, tools=None, environment_factory=None,
                  log=print):
+        refuse_spawned_import()
         self.args = args or AsyncGRPOConfig(output_dir="grpo-output")
         if self.args.output_dir is None:
             raise ValueError("AsyncGRPOConfig.output_dir is required")
@@ -281,17 +296,25 @@ class AsyncGRPOTrainer:
     def _start_processes(self, run: TrainingRun) -> None:
         """The server (embedded or given), the cold weight sync, then the worker."""
         args = self.args
+        shutil.rmtree(self.lora_dir, ignore_errors=True)
+        self.lora_dir.mkdir(parents=True)  # the embedded server loads adapters from here only
+        # the worker reads the URL and the key from the config it is given
         if args.embedded_server:
+            args.vllm_server_api_key = secrets.token_urlsafe(32)  # this run's, nobody else's
             self.server = self._embedded_server()
-            # the worker reads the URL from the config it is given
-            args.vllm_server_base_url = self.server.start(args.vllm_server_timeout)
-        admin = ServerAdmin(args.vllm_server_base_url, args.vllm_server_timeout)
-        admin.wait_ready(self.server and self.server.process, self.output_dir / "server.log")
+            args.vllm_server_base_url = self.server.start(
+                args.vllm_server_timeout, {"VLLM_API_KEY": args.vllm_server_api_key})
+        else:
+            args.vllm_server_api_key = args.vllm_server_api_key or os.environ.get(
+                "VLLM_API_KEY")
+        admin = ServerAdmin(args.vllm_server_base_url, args.vllm_request_timeout,
+                            args.vllm_server_api_key)
+        admin.wait_ready(args.vllm_server_timeout, self.server and self.server.process,
+                         self.output_dir / "server.log")
         token_budget = args.token_budget or admin.max_model_len()
         top = args.num_sampler_logprobs if args.score_centering else 1
         run.batcher = PaddedBatcher(token_budget, args.per_device_train_batch_size, top,
                                     self.tokenizer.pad_token_id or 0)
-        shutil.rmtree(self.lora_dir, ignore_errors=True)
         run.weights = AdapterVersions(admin, self.lora_dir, LORA_NAME, args.max_staleness + 1,
                                       run.version, self._export_adapter)
         self._sync(run.version.value)  # cold: the server serves this policy before any rollout
@@ -302,7 +325,8 @@ class AsyncGRPOTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         port_file = self.output_dir / "server.port"
         command = [sys.executable, "-m", embedded_server.__name__, "--model", self.model_path,
-                   "--port", "0", "--port-file", str(port_file),
+                   "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+                   "--lora-root", str(self.lora_dir),
                    "--threads", str(args.embedded_server_threads),
                    "--max-num-seqs", str(args.embedded_server_max_num_seqs),
                    "--max-loras", str(args.max_staleness + 2),
@@ -335,7 +359,9 @@ class AsyncGRPOTrainer:
         run.samples = SampleQueue(groups, run.ledger, run.version, args.max_staleness,
                                   queued_tokens, queued_samples, run.window,
                                   check_worker=self.worker.raise_if_failed,
-                                  baseline_counters=baseline_counters, log=self.log)
+                                  baseline_counters=baseline_counters, log=self.log,
+                                  stall_positions=len(self.rows),
+                                  stall_timeout=args.stall_timeout)
         kwargs = {
             "config": args, "model_name": self.model_path, "dataset": self.rows,
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
@@ -346,7 +372,9 @@ class AsyncGRPOTrainer:
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor),
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
             "baseline_counters": baseline_counters, **signals.worker_kwargs()}
-        self.worker.start(run_rollout_loop, (self.loop_cls, kwargs, os.getpid()))
+        self.worker.start(run_rollout_loop, (self.loop_cls, kwargs, os.getpid(),
+                                             signals.started))
+        self.worker.wait_started(MAIN_GUARD)
 
     def _stop_processes(self) -> None:
         try:
@@ -481,7 +509,11 @@ class AsyncGRPOTrainer:
         self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
         try:
             self._start_processes(run)
-            self._loop()
+            try:
+                self._loop()
+            except StalledRun:  # a worker failing at the same time explains it better
+                self.worker.raise_if_failed(wait=1.0)
+                raise
             if self.worker.failed:  # e.g. every position arrived filtered, then it raised
                 raise RuntimeError(self.worker.failure())
             final = self.output_dir / f"checkpoint-{run.global_step}"
@@ -568,6 +600,12 @@ class AsyncGRPOTrainer:
             [p for p in self.model.parameters() if p.requires_grad], args.max_grad_norm)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
+        trained = run.optimizer.param_groups[0]["params"]
+        if not all(bool(torch.isfinite(p).all()) for p in trained):  # before any publish
+            raise RuntimeError(
+                f"step {run.global_step + 1} left the policy's parameters non-finite (NaN or "
+                f"Inf; grad_norm before clipping {float(grad_norm):g}): nothing of this step is "
+                "published or saved; lower learning_rate or max_grad_norm, or check the rewards")
         step.optimizer_s = time.monotonic() - started
         step.grad_norm, step.learning_rate = float(grad_norm), run.optimizer.param_groups[0]["lr"]
         run.global_step += 1
