@@ -3,16 +3,19 @@
 `reprorl serve --model DIR` loads a Hugging Face directory and serves `/health`, `/v1/models`,
 `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and `/v1/completions` with
 vLLM's request and response shapes, so a client written against it runs unchanged against a real
-`vllm serve`. A background thread runs continuous batching over per-sequence KV caches: each
-step admits waiting requests FIFO while the token budget allows, prefills them one by one, and
-decodes every running sequence in one left-padded batch per adapter. Log-probs are vLLM's
-`processed_logprobs` (after temperature, min-p, top-k, top-p; raw log-softmax when greedy).
-Each request samples with its own generator, so its tokens do not depend on what else runs.
+`vllm serve`. A background thread runs continuous batching over preallocated KV slots (one per
+running sequence, `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` of them): each
+step admits waiting requests FIFO into free slots, prefills them one by one, and decodes every
+slot in one step of a fixed shape, whatever adapters the sequences use. So a request's tokens,
+log-probs and top log-probs are bitwise the same whatever else runs beside it (`Engine`).
+Log-probs are vLLM's `processed_logprobs` (after temperature, min-p, top-k, top-p; raw
+log-softmax when greedy). Each request samples with its own generator.
 
 Departures from vLLM: CPU only, one process; no streaming, `n` = 1, no `echo`, one prompt per
 request, no stop strings, no `min_tokens`, no beam search, no chat endpoint; the KV cache is
-counted in tokens, not paged blocks (the metrics report `kv-cache-tokens // 16` blocks);
-preemption is by recompute only and `--max-model-len` may not exceed `--kv-cache-tokens`;
+a slot of `--max-model-len` tokens per sequence, not paged blocks (the metrics report
+`slots * max-model-len // 16` blocks); no preemption (a request waits for a free slot), and
+`--max-model-len` may not exceed `--kv-cache-tokens`;
 loading more than `--max-loras` adapters is refused instead of LRU-swapped, and LoRA model
 cards carry `max_model_len` too; a request with `seed: null` draws its seed from the server's
 `--seed` stream; sampling is `torch.multinomial`, so seeded tokens differ from vLLM's.
@@ -57,6 +60,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..lora import PEFT_PREFIX, TARGETS, with_adapter
 
@@ -108,14 +112,19 @@ def _refuse_constant(name: str):
 
 
 class Switch(nn.Module):
-    """A base linear layer plus whichever adapter is active (`lora.with_adapter`)."""
+    """A base linear layer plus an adapter (`lora.with_adapter`): one for the whole input
+    (`active`, while one prompt is prefilled), or one per batch row (`by_row`, while every
+    slot decodes): each adapter is applied to all rows, a fixed shape, and kept on its own."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.base, self.active = base, None  # active: (A, B, scale) or None
+        self.by_row: list = []  # [((A, B, scale), rows: bool [slots, 1, 1])]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
+        for weights, rows in self.by_row:
+            result = torch.where(rows, with_adapter(result, x, *weights), result)
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
@@ -237,10 +246,9 @@ class Sequence:
     loop: asyncio.AbstractEventLoop
     generated: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # (sampled lp, top ids, top lps) per token
-    kv: list | None = None  # per layer (keys, values), [1, heads, cached, dim]
+    slot: int | None = None  # its row of the KV slots while it runs
     finish_reason: str | None = None
     stop_reason: int | None = None
-    admitted: bool = False
     aborted: bool = False
     error: ApiError | None = None  # this request failed; the others go on
 
@@ -256,7 +264,6 @@ class Sequence:
         def settle():
             if not self.future.done():
                 self.future.set_exception(error) if error else self.future.set_result(self)
-        self.kv = None
         with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits
             self.loop.call_soon_threadsafe(settle)
 
@@ -264,15 +271,61 @@ class Sequence:
 # ---------------------------------------------------------------- engine
 
 
-class Engine(threading.Thread):
-    """Continuous batching in a background thread; the event loop only submits and awaits."""
+class SlotLayer(CacheLayerMixin):
+    """One layer's KV slots, [slots, kv heads, max_model_len, head dim], allocated once: each
+    running sequence owns one row from offset 0. A decode step writes the new key and value of
+    each decoding row at that row's own position and attends over the whole fixed-length row,
+    the positions beyond it masked out; the other rows compute but write nothing."""
 
-    def __init__(self, model, switches: dict[str, Switch], max_num_seqs: int, capacity: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.rows = self.positions = None  # this step's decoding slots and their positions
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys[self.rows, :, self.positions] = key_states[self.rows, :, 0]
+        self.values[self.rows, :, self.positions] = value_states[self.rows, :, 0]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self) -> int:
+        return self.keys.shape[2] - 1  # queries sit at the last place: no causal cut
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+def cache_argument(model) -> str:
+    """The forward argument that takes a KV cache (transformers 5.2x renamed it)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values")
+
+
+class Engine(threading.Thread):
+    """Continuous batching in a background thread; the event loop only submits and awaits.
+
+    Batch invariance: a request's tokens and log-probs are bitwise the same whatever runs
+    beside it. Every decode step has one shape, [slots, 1] over KV rows of `max_len`, however
+    many sequences run and whichever adapters they use (a row's result from a fixed-shape
+    matrix product does not depend on the other rows; a CPU GEMM's does depend on how many
+    rows there are); a prompt is prefilled alone; a sequence keeps its slot until it ends, so
+    nothing is ever recomputed (no preemption: a request waits for a free slot).
+    """
+
+    def __init__(self, model, switches: dict[str, Switch], max_num_seqs: int, capacity: int,
+                 max_len: int):
         super().__init__(name="engine", daemon=True)
-        self.model, self.switches = model, switches
-        self.max_num_seqs, self.capacity = max_num_seqs, capacity
-        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else (
-            "past_key_values")  # transformers 5.2x renamed it
+        self.model, self.switches, self.max_len = model, switches, max_len
+        self.slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
+        self.capacity = self.slots * max_len
+        self.free = list(range(self.slots))
+        self.cache = None  # the KV slots, allocated at the first prefill (its shapes, dtype)
+        self.cache_arg = cache_argument(model)
         self.cond = threading.Condition()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -317,53 +370,45 @@ class Engine(threading.Thread):
                 seq.resolve(ApiError(503, "The engine has stopped."))
 
     def schedule(self) -> list[Sequence]:
-        """Drop aborted requests, preempt (recompute) until the running ones can decode one
-        more token each, then admit waiting ones FIFO if nothing was preempted."""
+        """Drop aborted requests (their slots free up), then admit waiting ones FIFO into free
+        slots. A request always fits its slot: prompt + max_tokens <= max_model_len."""
         for seq in [s for s in self.running if s.aborted]:
-            self.running.remove(seq)
+            self.release(seq)
             self.finish(seq, "abort")
         for seq in [s for s in self.waiting if s.aborted]:
             self.waiting.remove(seq)
             self.finish(seq, "abort")
-        preempted = False
-        while sum(s.length + 1 for s in self.running) > self.capacity:
-            seq = self.running.pop()  # the most recently admitted
-            seq.kv, preempted = None, True
-            self.waiting.appendleft(seq)
-            self.counters["preemptions"] += 1
-        used = sum(s.length + 1 for s in self.running)
         newcomers = []
-        while (self.waiting and not preempted and len(self.running) < self.max_num_seqs
-               and used + self.waiting[0].length + 1 <= self.capacity):
+        while self.waiting and self.free:
             seq = self.waiting.popleft()
-            used += seq.length + 1
-            if not seq.admitted:
-                self.counters["prompt_tokens"] += len(seq.prompt)
-                seq.admitted = True
+            seq.slot = self.free.pop(0)
+            self.counters["prompt_tokens"] += len(seq.prompt)
             self.running.append(seq)
             newcomers.append(seq)
         return newcomers
 
+    def release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free.append(seq.slot)
+        self.free.sort()
+
     def step(self, newcomers: list[Sequence]) -> None:
         decoding = [s for s in self.running if s not in newcomers]
-        groups: dict[int, list[Sequence]] = {}
-        for seq in decoding:
-            groups.setdefault(id(seq.adapter), []).append(seq)
-        for group in groups.values():
+        if decoding:
             try:
-                rows = list(zip(group, self.decode(group)))
-            except Exception:  # replay the batch row by row: only the faulty sequence fails
-                log.exception("a decode batch failed; decoding its %d rows alone", len(group))
-                rows = [(seq, self.guarded(seq, lambda s=seq: self.decode([s])[0]))
-                        for seq in group]
-            for seq, logits in rows:
-                if logits is not None:
-                    self.guarded(seq, self.sample, seq, logits)
+                rows = self.decode(decoding)
+            except Exception:  # a fault outside one sequence: replay each alone to find it
+                log.exception("a decode step failed; decoding its %d rows alone", len(decoding))
+                rows = {seq.slot: self.guarded(seq, lambda s=seq: self.decode([s])[s.slot])
+                        for seq in decoding}
+            for seq in decoding:
+                if rows.get(seq.slot) is not None:
+                    self.guarded(seq, self.sample, seq, rows[seq.slot])
         for seq in newcomers:
             self.guarded(seq, self.prefill, seq)
         with self.cond:
             for seq in [s for s in self.running if s.finish_reason or s.error]:
-                self.running.remove(seq)
+                self.release(seq)
                 if seq.error is None:
                     self.finish(seq, seq.finish_reason)
                 else:
@@ -379,46 +424,64 @@ class Engine(threading.Thread):
             return None
 
     def prefill(self, seq: Sequence) -> None:
+        """The prompt alone (its own shape, whatever else runs), its KV copied into its slot."""
         self.activate(seq.adapter)
-        output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
-                            logits_to_keep=1)
-        seq.kv = [(layer.keys, layer.values) for layer in output[self.cache_arg].layers]
+        try:
+            output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
+                                logits_to_keep=1)
+        finally:
+            self.activate(None)
+        layers = output[self.cache_arg].layers
+        if self.cache is None:
+            self.cache = self.allocate(layers)
+        for slot_layer, layer in zip(self.cache.layers, layers):
+            slot_layer.keys[seq.slot, :, :seq.length] = layer.keys[0]
+            slot_layer.values[seq.slot, :, :seq.length] = layer.values[0]
         self.sample(seq, output.logits[0, -1])
+
+    def allocate(self, layers) -> Cache:
+        shapes = [(self.slots, layer.keys.shape[1], self.max_len, layer.keys.shape[3])
+                  for layer in layers]
+        log.info("KV slots: %d x %d tokens x %d layers", self.slots, self.max_len, len(layers))
+        return Cache(layers=[SlotLayer(layer.keys.new_zeros(shape), layer.values.new_zeros(shape))
+                             for layer, shape in zip(layers, shapes)])
 
     def activate(self, adapter: Adapter | None) -> None:
         weights = adapter.weights if adapter else {}
         for name, switch in self.switches.items():
             switch.active = weights.get(name)
 
-    def decode(self, group: list[Sequence]) -> torch.Tensor:
-        """One token for each sequence of one adapter: caches left-padded to a common length,
-        padding masked out, positions given explicitly; each cache then grows by one."""
-        from transformers import DynamicCache
-
-        self.activate(group[0].adapter)
-        lengths = [seq.kv[0][0].shape[2] for seq in group]
-        width, rows = max(lengths), len(group)
-        layers = []
-        for index, (keys, values) in enumerate(group[0].kv):
-            padded = [keys.new_zeros(rows, keys.shape[1], width, keys.shape[3]),
-                      values.new_zeros(rows, values.shape[1], width, values.shape[3])]
-            for row, (seq, length) in enumerate(zip(group, lengths)):
-                for tensor, part in zip(padded, seq.kv[index]):
-                    tensor[row, :, width - length:] = part[0]
-            layers.append(tuple(padded))
-        mask = torch.zeros(rows, width + 1, dtype=torch.long)
-        for row, length in enumerate(lengths):
-            mask[row, width - length:] = 1
-        output = self.model(
-            input_ids=torch.tensor([[seq.generated[-1]] for seq in group]),
-            attention_mask=mask, position_ids=torch.tensor([[n] for n in lengths]),
-            use_cache=True, **{self.cache_arg: DynamicCache(layers)})
-        grown = output[self.cache_arg].layers
-        for row, seq in enumerate(group):
-            seq.kv = [(torch.cat([k, layer.keys[row:row + 1, :, width:]], 2),
-                       torch.cat([v, layer.values[row:row + 1, :, width:]], 2))
-                      for (k, v), layer in zip(seq.kv, grown)]
-        return output.logits[:, -1]
+    def decode(self, decoding: list[Sequence]) -> dict[int, torch.Tensor]:
+        """One token for each of `decoding`, in one step over every slot (the others decode a
+        dummy token at position 0 and keep their caches). Returns the logits by slot."""
+        ids = torch.zeros(self.slots, 1, dtype=torch.long)
+        positions = torch.zeros(self.slots, dtype=torch.long)
+        by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
+        for seq in decoding:
+            ids[seq.slot, 0], positions[seq.slot] = seq.generated[-1], seq.length - 1
+            if seq.adapter is not None:
+                by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(seq.slot)
+        for name, switch in self.switches.items():
+            switch.by_row = []
+            for adapter, slots in by_adapter.values():
+                if name in adapter.weights:
+                    rows = torch.zeros(self.slots, 1, 1, dtype=torch.bool)
+                    rows[slots] = True
+                    switch.by_row.append((adapter.weights[name], rows))
+        rows = torch.tensor([seq.slot for seq in decoding])
+        for layer in self.cache.layers:
+            layer.rows, layer.positions = rows, positions[rows]
+        mask = (torch.arange(self.max_len)[None] <= positions[:, None]).long()
+        try:
+            output = self.model(input_ids=ids, position_ids=positions[:, None],
+                                attention_mask=mask, use_cache=True,
+                                cache_position=torch.tensor([self.max_len - 1]),
+                                **{self.cache_arg: self.cache})
+        finally:
+            for switch in self.switches.values():
+                switch.by_row = []
+        logits = output.logits[:, -1]
+        return {seq.slot: logits[seq.slot] for seq in decoding}
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
@@ -485,7 +548,8 @@ class Server:
                 parent, _, child = name.rpartition(".")
                 switches[name] = Switch(module)
                 setattr(model.get_submodule(parent), child, switches[name])
-        self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens)
+        self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens,
+                             self.max_len)
         self.piece = lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
         # every tokenizer call runs here: off the event loop, one at a time (a fast tokenizer
