@@ -96,8 +96,12 @@ class Served:
             return len(reply.json()["choices"][0]["token_ids"])
 
         started = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            generated = sum(pool.map(one, range(len(prompts))))
+        try:
+            with ThreadPoolExecutor(concurrency) as pool:
+                generated = sum(pool.map(one, range(len(prompts))))
+        except requests.RequestException as error:
+            self.log.flush()
+            raise RuntimeError(f"{error}\n{Path(self.log.name).read_text()[-3000:]}") from error
         return generated / (time.perf_counter() - started)
 
     def close(self) -> None:

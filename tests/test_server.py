@@ -309,7 +309,8 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path):
     """A request's tokens, log-probs and top log-probs are bitwise the same alone and among
     any others: random subsets of twelve target requests (prompt lengths 1-40, base model or
     one of two adapters of ranks 4 and 8, greedy or sampled with top-k/top-p/min-p) plus
-    fillers, in random order with random delays, on 6 slots (so some wait for one)."""
+    fillers, in random order with random delays, on 6 slots decoded in 3 groups of 2 rows (so
+    some wait for a slot, and groups run with one or two members)."""
     import json
     import random
 
@@ -328,8 +329,8 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path):
 
     targets = [request(i) for i in range(12)]
     fillers = [request(100 + i) for i in range(12)]
-    flags = ("--max-model-len", "128", "--max-num-seqs", "6", "--max-loras", "2",
-             "--max-lora-rank", "8")
+    flags = ("--max-model-len", "128", "--max-num-seqs", "6", "--decode-rows", "2",
+             "--max-loras", "2", "--max-lora-rank", "8")
     with running_server(tiny_model, tmp_path, *flags) as (url, _):
         for name, rank, seed in (("lora-a", 4, 1), ("lora-b", 8, 2)):
             adapter_model(tiny_model, tmp_path / name, rank, seed)

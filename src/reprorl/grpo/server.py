@@ -4,9 +4,10 @@
 `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and `/v1/completions` with
 vLLM's request and response shapes, so a client written against it runs unchanged against a real
 `vllm serve`. A background thread runs continuous batching over preallocated KV slots (one per
-running sequence, `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` of them): each
-step admits waiting requests FIFO into free slots, prefills them one by one, and decodes every
-slot in one step of a fixed shape, whatever adapters the sequences use. So a request's tokens,
+running sequence, `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` of them, in
+whole groups of `--decode-rows`): each step admits waiting requests FIFO into the lowest free
+slots, prefills them one by one, and decodes each group of slots that holds a running sequence
+in one forward of a fixed shape, whatever adapters they use. So a request's tokens,
 log-probs and top log-probs are bitwise the same whatever else runs beside it (`Engine`).
 Log-probs are vLLM's `processed_logprobs` (after temperature, min-p, top-k, top-p; raw
 log-softmax when greedy). Each request samples with its own generator.
@@ -273,28 +274,32 @@ class Sequence:
 
 class SlotLayer(CacheLayerMixin):
     """One layer's KV slots, [slots, kv heads, max_model_len, head dim], allocated once: each
-    running sequence owns one row from offset 0. A decode step writes the new key and value of
-    each decoding row at that row's own position and attends over the whole fixed-length row,
-    the positions beyond it masked out; the other rows compute but write nothing."""
+    running sequence owns one row from offset 0. A decode step works on one window of rows and
+    of length (`window`): it writes the new key and value of each decoding row at that row's
+    own position and attends over the window's length, the positions beyond each row masked
+    out; the window's other rows compute but write nothing."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
         self.keys, self.values, self.is_initialized = keys, values, True
-        self.rows = self.positions = None  # this step's decoding slots and their positions
+        self.window = (0, 0, 0)  # first row, end row, length
+        self.rows = self.positions = None  # decoding rows (in the window) and their positions
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
         pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.keys[self.rows, :, self.positions] = key_states[self.rows, :, 0]
-        self.values[self.rows, :, self.positions] = value_states[self.rows, :, 0]
-        return self.keys, self.values
+        first, end, length = self.window
+        keys, values = self.keys[first:end, :, :length], self.values[first:end, :, :length]
+        keys[self.rows, :, self.positions] = key_states[self.rows, :, 0]
+        values[self.rows, :, self.positions] = value_states[self.rows, :, 0]
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.keys.shape[2], 0
+        return self.window[2], 0
 
     def get_seq_length(self) -> int:
-        return self.keys.shape[2] - 1  # queries sit at the last place: no causal cut
+        return self.window[2] - 1  # queries sit at the last place: no causal cut
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
@@ -310,18 +315,24 @@ class Engine(threading.Thread):
     """Continuous batching in a background thread; the event loop only submits and awaits.
 
     Batch invariance: a request's tokens and log-probs are bitwise the same whatever runs
-    beside it. Every decode step has one shape, [slots, 1] over KV rows of `max_len`, however
-    many sequences run and whichever adapters they use (a row's result from a fixed-shape
-    matrix product does not depend on the other rows; a CPU GEMM's does depend on how many
-    rows there are); a prompt is prefilled alone; a sequence keeps its slot until it ends, so
-    nothing is ever recomputed (no preemption: a request waits for a free slot).
+    beside it. The slots are decoded in groups of `rows` consecutive slots, one forward of
+    exactly `rows` rows per group that holds a decoding sequence, whichever adapters they use
+    (a CPU GEMM's row result depends on how many rows there are, measured here: below 11 to
+    16 rows the bits differ from above, but at a fixed count not on the row's place or the
+    other rows' values); the attended
+    length is the group's longest row rounded up to 64 (with the positions beyond each row
+    masked, the result does not depend on that length, measured); a prompt is prefilled alone;
+    a sequence keeps its slot until it ends, so nothing is ever recomputed (no preemption: a
+    request waits for a free slot). `tests/test_server.py` checks the invariance end to end.
     """
 
     def __init__(self, model, switches: dict[str, Switch], max_num_seqs: int, capacity: int,
-                 max_len: int):
+                 max_len: int, rows: int = 16):
         super().__init__(name="engine", daemon=True)
         self.model, self.switches, self.max_len = model, switches, max_len
-        self.slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
+        slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
+        self.rows = min(rows, slots)
+        self.slots = slots // self.rows * self.rows  # whole groups only: one shape each
         self.capacity = self.slots * max_len
         self.free = list(range(self.slots))
         self.cache = None  # the KV slots, allocated at the first prefill (its shapes, dtype)
@@ -452,36 +463,50 @@ class Engine(threading.Thread):
             switch.active = weights.get(name)
 
     def decode(self, decoding: list[Sequence]) -> dict[int, torch.Tensor]:
-        """One token for each of `decoding`, in one step over every slot (the others decode a
-        dummy token at position 0 and keep their caches). Returns the logits by slot."""
-        ids = torch.zeros(self.slots, 1, dtype=torch.long)
-        positions = torch.zeros(self.slots, dtype=torch.long)
-        by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
+        """One token for each of `decoding`: one forward per group of `rows` slots that holds
+        one of them. Returns the logits by slot."""
+        groups: dict[int, list[Sequence]] = {}
         for seq in decoding:
-            ids[seq.slot, 0], positions[seq.slot] = seq.generated[-1], seq.length - 1
+            groups.setdefault(seq.slot // self.rows, []).append(seq)
+        logits = {}
+        for group, members in sorted(groups.items()):
+            logits.update(self.decode_group(group * self.rows, members))
+        return logits
+
+    def decode_group(self, first: int, members: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Slots [first, first + rows) in one forward of that fixed shape; the slots without a
+        decoding sequence decode a dummy token at position 0 and keep their caches."""
+        ids = torch.zeros(self.rows, 1, dtype=torch.long)
+        positions = torch.zeros(self.rows, dtype=torch.long)
+        by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
+        for seq in members:
+            row = seq.slot - first
+            ids[row, 0], positions[row] = seq.generated[-1], seq.length - 1
             if seq.adapter is not None:
-                by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(seq.slot)
+                by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(row)
         for name, switch in self.switches.items():
             switch.by_row = []
-            for adapter, slots in by_adapter.values():
+            for adapter, rows in by_adapter.values():
                 if name in adapter.weights:
-                    rows = torch.zeros(self.slots, 1, 1, dtype=torch.bool)
-                    rows[slots] = True
-                    switch.by_row.append((adapter.weights[name], rows))
-        rows = torch.tensor([seq.slot for seq in decoding])
+                    chosen = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
+                    chosen[rows] = True
+                    switch.by_row.append((adapter.weights[name], chosen))
+        length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
+        decoding = torch.tensor([seq.slot - first for seq in members])
         for layer in self.cache.layers:
-            layer.rows, layer.positions = rows, positions[rows]
-        mask = (torch.arange(self.max_len)[None] <= positions[:, None]).long()
+            layer.window = (first, first + self.rows, length)
+            layer.rows, layer.positions = decoding, positions[decoding]
+        mask = (torch.arange(length)[None] <= positions[:, None]).long()
         try:
             output = self.model(input_ids=ids, position_ids=positions[:, None],
                                 attention_mask=mask, use_cache=True,
-                                cache_position=torch.tensor([self.max_len - 1]),
+                                cache_position=torch.tensor([length - 1]),
                                 **{self.cache_arg: self.cache})
         finally:
             for switch in self.switches.values():
                 switch.by_row = []
         logits = output.logits[:, -1]
-        return {seq.slot: logits[seq.slot] for seq in decoding}
+        return {seq.slot: logits[seq.slot - first] for seq in members}
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
@@ -549,7 +574,7 @@ class Server:
                 switches[name] = Switch(module)
                 setattr(model.get_submodule(parent), child, switches[name])
         self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens,
-                             self.max_len)
+                             self.max_len, args.decode_rows)
         self.piece = lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
         # every tokenizer call runs here: off the event loop, one at a time (a fast tokenizer
@@ -834,6 +859,8 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         help="load adapters only from below this directory (default: anywhere)")
     add("--max-model-len", type=count(1), default=None, help="default: max_position_embeddings")
     add("--max-num-seqs", type=count(1), default=64, help="running sequences at most")
+    add("--decode-rows", type=count(1), default=16,
+        help="rows of every decode forward (a fixed shape: batch invariance)")
     add("--max-waiting-requests", type=count(1), default=1024,
         help="queued requests at most; more are refused with 503")
     add("--max-request-bytes", type=count(1024), default=2 << 20,
