@@ -73,6 +73,7 @@ class Served:
 
     def __init__(self, src: Path, model: Path, scratch: Path):
         port_file = scratch / "port"
+        port_file.unlink(missing_ok=True)  # an earlier round's
         self.log = (scratch / "server.log").open("w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "reprorl", "serve", "--model", str(model), "--port", "0",
