@@ -35,6 +35,9 @@ def test_defaults_are_filled():
         ({"model": {"embedded": {"hidden_size": 0}}},
          "config key model.embedded.hidden_size: 0 is less than the minimum"),
         ({"model": {"source": "hub"}}, "config key model.source: 'hub' is not one of"),
+        # the engine refuses a masked-IS lower bound above 1 deep inside a GRPO stage
+        ({"grpo": {"vllm_importance_sampling_clip_min": 2}},
+         "config key grpo.vllm_importance_sampling_clip_min: 2 is greater than the maximum"),
     ],
 )
 def test_errors_name_the_key(raw, message):
@@ -62,6 +65,45 @@ def test_non_finite_numbers_are_refused_by_key(raw, key):
 def test_a_config_that_is_not_a_mapping_is_refused(raw):
     with pytest.raises(ConfigError, match="the config must be a mapping of keys to values"):
         configuration.validate(raw)
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ({"context_tokens": 319}, re.escape(
+            "limits.context_tokens: 319 is less than limits.prompt_tokens + "
+            "limits.response_tokens = 256 + 64; raise it to at least 320")),
+        ({"prompt_tokens": 300}, "limits.context_tokens: 320 is less than"),
+        ({"response_tokens": 65}, "at least 321"),
+    ],
+)
+def test_limits_must_leave_room_for_a_full_response(limits, message):
+    with pytest.raises(ConfigError, match=message):
+        configuration.validate({"limits": limits})
+
+
+def test_a_larger_context_is_allowed():
+    assert configuration.validate({"limits": {"context_tokens": 400}})["limits"] == {
+        "prompt_tokens": 256, "response_tokens": 64, "context_tokens": 400}
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ({"num_attention_heads": 3}, "num_attention_heads: hidden_size 256 // 3 heads gives 85"),
+        ({"hidden_size": 60, "num_attention_heads": 4},
+         "num_attention_heads: hidden_size 60 // 4 heads gives 15 values per head, an odd"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
+    ],
+)
+def test_embedded_attention_shapes_that_cannot_run_are_refused(size, message):
+    with pytest.raises(ConfigError, match=f"config key model.embedded.{message}"):
+        configuration.validate({"model": {"embedded": size}})
+
+
+def test_a_local_model_ignores_the_embedded_sizes():
+    local = {"source": "local", "embedded": {"num_key_value_heads": 3}}
+    assert configuration.validate({"model": local})["model"]["source"] == "local"
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -47,7 +47,8 @@ def validate(config: Mapping) -> dict:
     """Return a validated copy of `config` with every default filled in.
 
     Raises ConfigError naming the first offending key and what the schema expects, a
-    non-finite number (Snakemake parses YAML's .nan itself, so this is where every run sees it).
+    non-finite number (Snakemake parses YAML's .nan itself, so this is where every run sees it)
+    or settings that contradict each other.
     """
     if not isinstance(config, Mapping):
         raise ConfigError(f"the config must be a mapping of keys to values, not {_kind(config)}"
@@ -61,6 +62,9 @@ def validate(config: Mapping) -> dict:
         if error.validator == "additionalProperties":
             raise ConfigError(f"config key {where}: {error.message}; {HINT}")
         raise ConfigError(f"config key {where}: {error.message} ({HINT})")
+    _refuse_inconsistent_limits(config["limits"])
+    if config["model"]["source"] == "embedded":
+        _refuse_impossible_attention(config["model"]["embedded"])
     return config
 
 
@@ -78,6 +82,36 @@ def _refuse_non_finite(value, where: tuple = ()) -> None:
         return
     for key, child in children:
         _refuse_non_finite(child, (*where, key))
+
+
+def _refuse_inconsistent_limits(limits: dict) -> None:
+    # A supervised example longer than context_tokens is refused (encoding.example), and the
+    # GRPO server, whose max_model_len is context_tokens, refuses a request whose prompt plus
+    # max_tokens (response_tokens) exceeds it: every prompt within its limit must leave room for
+    # a full response. A larger context only goes unused, so the rule is <=, not ==.
+    prompt, response = limits["prompt_tokens"], limits["response_tokens"]
+    if prompt + response > limits["context_tokens"]:
+        raise ConfigError(
+            f"config key limits.context_tokens: {limits['context_tokens']} is less than "
+            f"limits.prompt_tokens + limits.response_tokens = {prompt} + {response}; raise it "
+            f"to at least {prompt + response} or lower the other two")
+
+
+def _refuse_impossible_attention(size: dict) -> None:
+    # Qwen2 attention: each head holds hidden_size // num_attention_heads values, which rotary
+    # embeddings rotate in two halves, and each KV head serves the same number of query heads.
+    # Otherwise base_model's first forward pass fails with a tensor shape error.
+    heads, kv_heads = size["num_attention_heads"], size["num_key_value_heads"]
+    head = size["hidden_size"] // heads
+    if head % 2:
+        raise ConfigError(
+            f"config key model.embedded.num_attention_heads: hidden_size {size['hidden_size']} "
+            f"// {heads} heads gives {head} values per head, an odd number, and rotary "
+            "embeddings need an even one; choose heads so that hidden_size / heads is even")
+    if heads % kv_heads:
+        raise ConfigError(
+            f"config key model.embedded.num_key_value_heads: {kv_heads} does not divide "
+            f"num_attention_heads {heads}; choose a divisor of {heads}")
 
 
 def load(path: str | Path) -> dict:
