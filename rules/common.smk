@@ -8,9 +8,16 @@
 from reprorl import layout
 from reprorl.codehash import code_hash
 from reprorl.config import stage_config_json, validate
+from reprorl.errors import ConfigError
 from reprorl.stages import EXPORTS, GRPO_RUNS, MODES, POLICIES, threads
+from snakemake.exceptions import WorkflowError
 
-config.update(validate(config))
+# Snakemake parses --configfile itself (YAML .nan included): validate sees every value. A
+# WorkflowError prints the message without the validator's own frames.
+try:
+    config.update(validate(config))
+except ConfigError as error:
+    raise WorkflowError(str(error)) from None
 
 
 def stage_output(stage):

@@ -1,5 +1,6 @@
 """Schema validation: defaults, clear errors, every shipped profile valid."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,9 @@ def test_defaults_are_filled():
         ({"model": {"embedded": {"hidden_size": 0}}},
          "config key model.embedded.hidden_size: 0 is less than the minimum"),
         ({"model": {"source": "hub"}}, "config key model.source: 'hub' is not one of"),
+        # the engine refuses a masked-IS lower bound above 1 deep inside a GRPO stage
+        ({"grpo": {"vllm_importance_sampling_clip_min": 2}},
+         "config key grpo.vllm_importance_sampling_clip_min: 2 is greater than the maximum"),
     ],
 )
 def test_errors_name_the_key(raw, message):
@@ -41,13 +45,133 @@ def test_errors_name_the_key(raw, message):
         configuration.validate(raw)
 
 
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"sft": {"learning_rate": float("nan")}}, "sft.learning_rate: nan"),
+        ({"ppo": {"gamma": float("-inf")}}, "ppo.gamma: -inf"),
+        ({"grpo": {"rollout_worker_timeout": float("inf")}}, "grpo.rollout_worker_timeout: inf"),
+        ({"seed": float("nan")}, "seed: nan"),  # before the schema's type error
+        ({"model": {"expect": {"rope": [1.0, float("nan")]}}}, "model.expect.rope.1: nan"),
+    ],
+)
+def test_non_finite_numbers_are_refused_by_key(raw, key):
+    # validate, not only the parsers: Snakemake hands it the YAML it parsed itself
+    with pytest.raises(ConfigError, match=f"config key {re.escape(key)} is not a finite number"):
+        configuration.validate(raw)
+
+
+@pytest.mark.parametrize("raw", [[1, 2], 5, "seed: 49", None])
+def test_a_config_that_is_not_a_mapping_is_refused(raw):
+    with pytest.raises(ConfigError, match="the config must be a mapping of keys to values"):
+        configuration.validate(raw)
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ({"context_tokens": 319}, re.escape(
+            "limits.context_tokens: 319 is less than limits.prompt_tokens + "
+            "limits.response_tokens = 256 + 64; raise it to at least 320")),
+        ({"prompt_tokens": 300}, "limits.context_tokens: 320 is less than"),
+        ({"response_tokens": 65}, "at least 321"),
+    ],
+)
+def test_limits_must_leave_room_for_a_full_response(limits, message):
+    with pytest.raises(ConfigError, match=message):
+        configuration.validate({"limits": limits})
+
+
+def test_a_larger_context_is_allowed():
+    assert configuration.validate({"limits": {"context_tokens": 400}})["limits"] == {
+        "prompt_tokens": 256, "response_tokens": 64, "context_tokens": 400}
+
+
+@pytest.mark.parametrize(
+    "size, message",
+    [
+        ({"num_attention_heads": 3}, "num_attention_heads: hidden_size 256 // 3 heads gives 85"),
+        ({"hidden_size": 60, "num_attention_heads": 4},
+         "num_attention_heads: hidden_size 60 // 4 heads gives 15 values per head, an odd"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
+    ],
+)
+def test_embedded_attention_shapes_that_cannot_run_are_refused(size, message):
+    with pytest.raises(ConfigError, match=f"config key model.embedded.{message}"):
+        configuration.validate({"model": {"embedded": size}})
+
+
+def test_a_local_model_ignores_the_embedded_sizes():
+    local = {"source": "local", "embedded": {"num_key_value_heads": 3}}
+    assert configuration.validate({"model": local})["model"]["source"] == "local"
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         configuration.load(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump([1, 2]))
-    with pytest.raises(ConfigError, match="must hold a mapping"):
+    for value, kind in (([1, 2], "a list"), (0, "a number"), ("text", "a string")):
+        bad.write_text(yaml.safe_dump(value))
+        with pytest.raises(ConfigError, match=f"must hold a mapping of keys to values, not {kind}"):
+            configuration.load(bad)
+    bad.write_text("")
+    assert configuration.load(bad) == configuration.validate({})  # empty: every default
+
+
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("sft:\n  learning_rate: [1e-3\n", "line 3, column 1: expected ',' or ']'"),
+        ("sft:\n  learning_rate: 1: 2\n", "line 2, column 19: mapping values are not allowed"),
+        ("sft:\n\tseed: 1\n", "line 2, column 1: found character '\\t'"),
+        ("seed: !!python/object:os.system x\n", "line 1, column 7: could not determine a "),
+        ("seed: \x07\n", "unacceptable character #x0007"),
+    ],
+)
+def test_yaml_syntax_errors_name_the_file_and_the_place(tmp_path, text, where):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text(text)
+    with pytest.raises(ConfigError) as caught:
         configuration.load(bad)
+    message = str(caught.value)
+    assert message.startswith(f"config file {bad} is not valid YAML (") and where in message
+    assert "\n" not in message and message.endswith("fix the file (configs/default.yaml shows "
+                                                     "the syntax)")
+
+
+def test_yaml_non_finite_numbers_are_refused_by_key(tmp_path):
+    profile = tmp_path / "nan.yaml"
+    for value, shown in ((".nan", "nan"), (".inf", "inf"), ("-.inf", "-inf")):
+        profile.write_text(f"sft:\n  learning_rate: {value}\n")
+        with pytest.raises(ConfigError, match=f"config key sft.learning_rate: {shown} is not a "):
+            configuration.load(profile)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"seed": 49', ("--config-json is not valid JSON (Expecting ',' delimiter at line 1, "
+                         "column 12); pass one JSON object")),
+        ("", "--config-json is not valid JSON (Expecting value at line 1, column 1)"),
+        ("{'seed': 49}", "not valid JSON (Expecting property name enclosed in double quotes"),
+        ("[1, 2]", "--config-json must be a JSON object ({...}), not a list"),
+        ("5", "--config-json must be a JSON object ({...}), not a number"),
+        ("null", "--config-json must be a JSON object ({...}), not null"),
+        ('{"sft": {"learning_rate": NaN}}', "config key sft.learning_rate: nan is not a finite"),
+        ('{"ppo": {"lam": Infinity}}', "config key ppo.lam: inf is not a finite number"),
+        ('{"ppo": {"lam": -Infinity}}', "config key ppo.lam: -inf is not a finite number"),
+    ],
+)
+def test_config_json_errors(text, message):
+    with pytest.raises(ConfigError) as caught:
+        configuration.load_json(text)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_config_json_is_what_the_rules_pass():
+    full = configuration.validate({})
+    subset = configuration.stage_config_json(full, "base_model")
+    assert configuration.load_json(subset)["model"] == full["model"]
 
 
 def test_stage_subsets_only_hold_what_the_stage_reads():

@@ -1,7 +1,9 @@
 """Atomic writes, manifests and the audit."""
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,65 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _record_fsyncs(monkeypatch) -> list[tuple[Path, list[str] | None]]:
+    """Each fsync's target, and a folder's entries at that moment (Linux: /proc names fds)."""
+    synced, fsync = [], os.fsync
+
+    def recording(handle):
+        target = Path(os.readlink(f"/proc/self/fd/{handle}"))
+        synced.append((target, sorted(os.listdir(target)) if target.is_dir() else None))
+        fsync(handle)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    return synced
+
+
+linux_only = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+
+
+@linux_only
+def test_atomic_write_fsyncs_the_file_then_its_folder_after_the_rename(in_tmp, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    write_json("out/a.json", {"a": 1})
+    (file, _), (folder, entries) = synced
+    assert file.parent == folder == in_tmp / "out" and file.name.startswith(".a.json.")
+    assert entries == ["a.json"]  # synced after the rename: the new name is what lasts
+
+
+@linux_only
+def test_atomic_directory_fsyncs_what_libraries_wrote_and_the_rename(in_tmp, monkeypatch):
+    synced = _record_fsyncs(monkeypatch)
+    with atomic_directory("model") as scratch:
+        (scratch / "sub").mkdir()
+        (scratch / "sub/w.bin").write_bytes(b"y")  # as save_pretrained writes: no fsync
+    names = [path.name for path, _ in synced]
+    assert names[:3] == ["w.bin", "sub", scratch.name]  # contents first, then the folders
+    assert synced[-1] == (in_tmp, ["model"])
+
+
+@pytest.mark.parametrize("refusal", ["open", "fsync"])
+def test_writes_stand_where_a_folder_cannot_be_fsynced(in_tmp, monkeypatch, refusal):
+    """Windows opens no folder; some filesystems refuse a folder's fsync (EINVAL)."""
+    real_open, real_fsync = os.open, os.fsync
+
+    def opening(path, flags, *args, **kwargs):
+        if refusal == "open" and os.path.isdir(path):
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args, **kwargs)
+
+    def fsyncing(handle):
+        if refusal == "fsync" and stat.S_ISDIR(os.fstat(handle).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real_fsync(handle)
+
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr(os, "fsync", fsyncing)
+    write_json("out/a.json", {"a": 1})
+    with atomic_directory("model") as scratch:
+        (scratch / "w.bin").write_bytes(b"y")
+    assert read_json("out/a.json") == {"a": 1} and Path("model/w.bin").read_bytes() == b"y"
 
 
 def test_atomic_directory_is_all_or_nothing(in_tmp):

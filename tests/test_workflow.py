@@ -4,8 +4,11 @@ One module-scoped run builds everything; the tests then probe no-op reruns, the 
 invalidation, preserved artifacts and config errors against it.
 """
 
+import collections
+import gzip
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -273,6 +276,20 @@ def test_schema_errors_are_one_clear_message(workflow, args, message):
     assert result.returncode != 0 and message in result.stdout + result.stderr
 
 
+def test_snakemake_refuses_a_non_finite_number_in_a_configfile(workflow):
+    """Snakemake parses --configfile itself (YAML .nan is a float): validate must see it."""
+    profile = workflow / "configs/nan.yaml"
+    profile.write_text(PROFILES["configs/nan.yaml"])
+    try:
+        result = snakemake(workflow, "-n", "--configfile", "configs/ci.yaml", "configs/nan.yaml",
+                           check=False)
+    finally:
+        profile.unlink()
+    assert result.returncode != 0
+    message = "config key sft.learning_rate: nan is not a finite number"
+    assert message in result.stdout + result.stderr
+
+
 def test_cli_runs_a_stage_from_a_profile(workflow):
     result = reprorl(workflow, "prepare", "--config", "configs/ci.yaml")
     assert result.returncode == 0, result.stderr  # identical corpus: kept, manifest rewritten
@@ -305,13 +322,28 @@ def _leak_probe(workdir: Path, name: str) -> None:
     write_json(corpus / "manifest.json", manifest)
 
 
-# how a case damages the project before its command runs (undone afterwards, bytes and times)
+# profiles a case adds under configs/ (removed afterwards)
+PROFILES = {
+    "configs/broken.yaml": "profile: broken\nsft:\n  learning_rate: [0.003\n",
+    "configs/nan.yaml": "profile: nan\nsft:\n  learning_rate: .nan\n",
+}
+# what a resume state may hold instead of one: a valid gzip of a pickle weights_only refuses
+# (a class), or of bytes that are no pickle at all
+FOREIGN_STATES = {
+    "pickle": gzip.compress(pickle.dumps(collections.OrderedDict)),
+    "garbage": gzip.compress(bytes(range(256)) * 16),
+}
+# how a case damages the project before its command runs (undone afterwards, bytes and times;
+# a file the case added is removed)
 DAMAGES = {
     "flip": lambda workdir, name: _flip_byte(workdir / name),
     "aside": lambda workdir, name: (workdir / name).unlink(),  # the stage's own old output
     "edit": lambda workdir, name: (workdir / name).write_text(
         (workdir / name).read_text() + "\n# an edit\n"),
     "leak": _leak_probe,
+    "profile": lambda workdir, name: (workdir / name).write_text(PROFILES[name]),
+    "pickle": lambda workdir, name: (workdir / name).write_bytes(FOREIGN_STATES["pickle"]),
+    "garbage": lambda workdir, name: (workdir / name).write_bytes(FOREIGN_STATES["garbage"]),
 }
 
 
@@ -329,7 +361,15 @@ def _ci_sft_lr_x2(workdir: Path) -> dict:
     return config
 
 
-CONFIG_EDITS = {"QWEN_ON_TINY": _qwen_on_tiny, "CI_SFT_LR_X2": _ci_sft_lr_x2}
+def _ci_short_context(workdir: Path) -> dict:
+    """The CI profile with a context too short for a full-length prompt and response."""
+    config = configuration.load(workdir / "configs/ci.yaml")
+    config["limits"]["context_tokens"] = 300
+    return config
+
+
+CONFIG_EDITS = {"QWEN_ON_TINY": _qwen_on_tiny, "CI_SFT_LR_X2": _ci_sft_lr_x2,
+                "CI_SHORT_CONTEXT": _ci_short_context}
 
 BAD_INPUTS = {
     # case: (damages [(kind, path)], command, expected message)
@@ -369,6 +409,32 @@ BAD_INPUTS = {
     "GRPO with an invalid group size": ([], ["grpo_learned", "--config-json",
                                                '{"grpo": {"num_generations": 1}}'],
                                         "grpo.num_generations"),
+    "YAML syntax error in a profile": (
+        [("profile", "configs/broken.yaml")], ["prepare", "--config", "configs/broken.yaml"],
+        "config file configs/broken.yaml is not valid YAML (line 4, column 1: expected ','"),
+    "profile with a .nan": ([("profile", "configs/nan.yaml")],
+                            ["sft_continuous", "--config", "configs/nan.yaml"],
+                            "config key sft.learning_rate: nan is not a finite number"),
+    "config JSON that is not JSON": ([], ["prepare", "--config-json", '{"seed": 49'],
+                                     "--config-json is not valid JSON (Expecting ','"),
+    "config JSON that is a list": ([], ["prepare", "--config-json", '[{"seed": 49}]'],
+                                   "--config-json must be a JSON object ({...}), not a list"),
+    "config JSON with NaN": ([], ["sft_continuous", "--config-json",
+                                  '{"sft": {"learning_rate": NaN}}'],
+                             "config key sft.learning_rate: nan is not a finite number"),
+    "context shorter than prompt plus response": (
+        [], ["generate_sft", "--config-json", "CI_SHORT_CONTEXT"],
+        ("config key limits.context_tokens: 300 is less than limits.prompt_tokens + "
+         "limits.response_tokens = 256 + 64")),
+    "resume state holding a pickled object": (
+        [("aside", "assets/checkpoints/reward-resume.pt.gz"),
+         ("pickle", "assets/checkpoints/reward-interrupt.pt.gz")],
+        ["reward_resume", "--config", "configs/ci.yaml"],
+        "reward-interrupt.pt.gz is corrupted (not a weights-only torch file"),
+    "resume check of a gzip of garbage": (
+        [("garbage", "assets/checkpoints/ppo-continuous.pt.gz")],
+        ["ppo_resume_check", "--config", "configs/ci.yaml"],
+        "ppo-continuous.pt.gz is corrupted ("),
 }
 
 
@@ -381,7 +447,7 @@ def test_bad_input_is_refused_cleanly(workflow, case):
     for kind, name in damages:
         touched += [workflow / name] if kind != "leak" else [
             workflow / "data/generated" / name, workflow / "data/generated/manifest.json"]
-    saved = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in touched}
+    saved = {p: (p.read_bytes(), p.stat().st_mtime_ns) if p.exists() else None for p in touched}
     try:
         for kind, name in damages:
             DAMAGES[kind](workflow, name)
@@ -392,6 +458,9 @@ def test_bad_input_is_refused_cleanly(workflow, case):
         assert len(error_lines) == 1 and message in error_lines[0], result.stderr
         assert _snapshot(workflow) == before  # nothing produced was lost or overwritten
     finally:
-        for path, (data, mtime) in saved.items():
-            path.write_bytes(data)
-            os.utime(path, ns=(mtime, mtime))
+        for path, kept in saved.items():
+            if kept is None:  # added by the case (a profile)
+                path.unlink(missing_ok=True)
+                continue
+            path.write_bytes(kept[0])
+            os.utime(path, ns=(kept[1], kept[1]))

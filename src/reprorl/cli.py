@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.config:
                 config = configuration.load(args.config)
             else:
-                config = configuration.validate(json.loads(args.config_json))
+                config = configuration.load_json(args.config_json)
             threads = args.threads or stages.threads(args.command, config)
             result = run_stage(args.command, config, threads)
     except ReproError as error:

@@ -1,7 +1,8 @@
 """Hashes, atomic writes, stage manifests, the preserved-artifact guard and the audit.
 
-Every artifact is written to a temporary name in its final directory and moved into place with
-`os.replace`, so a reader (or a crash) never sees a partial file under its final name.
+Every artifact is written to a temporary name in its final directory, fsynced, moved into place
+with `os.replace`, and its directory fsynced: a reader, a crash or a power cut never leaves a
+partial file under its final name, and a finished write stays finished.
 
 A stage manifest (`outputs/manifests/<stage>.json`) has two parts:
 - `hashed`: what must be identical when the stage is rebuilt from the same inputs (sha256 of every
@@ -105,7 +106,27 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+    fsync_path(path.parent)  # the rename itself, not only the bytes, survives a power cut
     return path
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's bytes, or a directory's entries (a rename into it), to disk.
+
+    Where a platform cannot (Windows opens no directory; some filesystems refuse a directory
+    fsync with EINVAL), the write stays atomic and is only less durable, so that is no error.
+    """
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else 0)
+    try:
+        handle = os.open(path, flags)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -159,8 +180,12 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(path)
         for file in files_under(scratch):  # libraries writing into scratch may use mkstemp too
             os.chmod(file, 0o666 & ~_UMASK)
+            fsync_path(file)  # nor do they fsync: the folder must not arrive with empty files
+        for folder in (*sorted(p for p in scratch.rglob("*") if p.is_dir()), scratch):
+            fsync_path(folder)
         os.chmod(scratch, 0o777 & ~_UMASK)
         os.replace(scratch, path)
+        fsync_path(path.parent)
     finally:
         if scratch.exists():
             shutil.rmtree(scratch)

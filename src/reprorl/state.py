@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import gzip
 import io
+import pickle
 import random
 import struct
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +44,45 @@ def load_state(path: str | Path) -> dict:
     if not path.is_file():
         raise ReproError(f"resume state {path} is missing: run the stage that writes it first")
     record_read(path)
+    state = _unpickle(path, _gunzip(path))
+    if not isinstance(state, dict) or "identity" not in state:  # as ResumableRun.save writes
+        what = "a dict without an identity" if isinstance(state, dict) else (
+            f"a {type(state).__name__}")
+        raise _damaged(path, f"it holds {what}, not a resume state of this project")
+    return state
+
+
+def _gunzip(path: Path) -> bytes:
     try:
         with gzip.open(path, "rb") as handle:
-            return torch.load(io.BytesIO(handle.read()), weights_only=True)
-    except (OSError, EOFError, RuntimeError, gzip.BadGzipFile) as error:
-        raise ReproError(f"resume state {path} is corrupted ({error}); delete it and rerun "
-                         "the stage that writes it") from error
+            return handle.read()
+    except (OSError, EOFError, zlib.error) as error:  # BadGzipFile is an OSError
+        raise _damaged(path, f"not a complete gzip stream: {_first_line(error)}") from error
+
+
+def _unpickle(path: Path, raw: bytes) -> Any:
+    try:
+        with warnings.catch_warnings():  # a pickle torch.save did not write warns of its protocol
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(io.BytesIO(raw), weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch's message spans lines and advises weights_only=False: keep only its finding
+        finding = str(error).partition("WeightsUnpickler error:")[2] or str(error)
+        raise _damaged(path, "not a weights-only torch file of tensors and plain "
+                             f"containers: {_first_line(finding)}") from error
+    except Exception as error:  # damaged bytes fail in many ways (ValueError, KeyError, ...)
+        raise _damaged(path, f"{type(error).__name__}: {_first_line(error)}") from error
+
+
+def _damaged(path: Path, why: str) -> ReproError:
+    return ReproError(f"resume state {path} is corrupted ({why}); delete it and rerun the "
+                      "stage that writes it")
+
+
+def _first_line(message: object) -> str:
+    """The start of a message: the refusal stays one line."""
+    lines = str(message).strip().splitlines()
+    return lines[0][:200] if lines else "no message"
 
 
 # ---------------------------------------------------------------- RNGs
