@@ -103,8 +103,8 @@ def sample(position: int, tokens: int = 4, version: int = 0) -> Sample:
 class Pipeline:
     """A SampleQueue with its inputs, filled as the worker would fill them."""
 
-    def __init__(self, end=None, max_staleness=1, budget=16, max_samples=4, baseline=None,
-                 patience=3, stall_positions=None, stall_timeout=float("inf")):
+    def __init__(self, end=None, max_staleness=1, budget=16, max_samples=4, patience=3,
+                 stall_positions=None, stall_timeout=float("inf")):
         self.groups, self.version = queue.Queue(), SimpleNamespace(value=0)
         self.tokens, self.count = Counter(), Counter()
         self.ledger, self.window, self.messages = PositionLedger(end=end), MetricsWindow(), []
@@ -112,8 +112,7 @@ class Pipeline:
         self.batcher = PaddedBatcher(budget, max_samples, 1, 0)
         self.queue = SampleQueue(self.groups, self.ledger, self.version, max_staleness,
                                  self.tokens, self.count, self.window,
-                                 check_worker=self.check, baseline_counters=baseline,
-                                 log=self.messages.append, stall_positions=stall_positions,
+                                 check_worker=self.check, log=self.messages.append, stall_positions=stall_positions,
                                  stall_timeout=stall_timeout)
 
     def check(self):
@@ -185,17 +184,20 @@ def test_queue_is_exhausted_once_every_position_arrived():
     assert p.queue.next_microbatch(p.batcher) == []
 
 
-def test_queue_returns_what_it_has_when_the_baseline_batch_is_complete():
-    counters = [0, 0]  # [batch complete, GroupResults put], as the worker writes them
-    p = Pipeline(baseline=counters)
-    p.put(0, sample(0))
-    counters[1] = 1
-    with pytest.raises(RuntimeError, match="worker gone"):  # incomplete: it waits on
-        p.queue.next_microbatch(p.batcher)
-    p.put(1, sample(1))
-    counters[:] = [1, 2]
-    assert [s.position for s in p.queue.next_microbatch(p.batcher)] == [1]
-    assert not p.queue.exhausted
+def test_a_fixed_block_comes_in_position_order_whatever_the_arrival_order():
+    p = Pipeline(budget=8, max_samples=2, end=6)
+    p.ledger.arrive(0, 0)  # consumed before a resume: it never arrives again
+    p.put(3, sample(3))  # the next block's: parked until its turn
+    p.put(2, sample(2, tokens=3), sample(2, tokens=5))
+    p.put(1, sample(1, tokens=2), sample(1, tokens=9))  # 9 > budget 8: dropped
+    batches = p.queue.next_block(0, 3, p.batcher)
+    assert [[(s.position, s.tokens) for s in b] for b in batches] == [[(1, 2), (2, 3)],
+                                                                     [(2, 5)]]
+    assert p.metrics()["batch/dropped_oversize_count"] == 1
+    assert list(p.queue.parked) == [3]
+    p.put(5)  # an empty group
+    p.put(4, sample(4))
+    assert [[s.position for s in b] for b in p.queue.next_block(3, 6, p.batcher)] == [[3, 4]]
 
 
 def test_an_epoch_of_positions_without_samples_stops_the_run_naming_why():

@@ -8,8 +8,9 @@ here take none). Departures: `bf16=None` means "mixed precision on a CUDA traine
 CPU engine never is (the seed turns bf16 on unless fp16); `ignore_data_skip` can only be True,
 as in the seed; `vllm_server_timeout` bounds the start-up wait only (the seed uses it for
 weight syncs too), `vllm_request_timeout` each request. Additions of ours, grouped at the end:
-`embedded_server*` (start the CPU server shipped here), `synchronous` (the benchmark's
-baseline), `vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
+`embedded_server*` (start the CPU server shipped here), `schedule_lag` (a schedule that
+replays bit for bit) and `synchronous` (its lag 0, the benchmark's baseline),
+`vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
 `reward_timeout` and `stall_timeout`, and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
 Every number is checked finite and in range when the config is made.
 """
@@ -122,8 +123,11 @@ class AsyncGRPOConfig:
         64, "Sequences the embedded server decodes together at most.")
     embedded_server_max_model_len: int | None = option(
         None, "max_model_len of the embedded server (None: the model's positions).")
+    schedule_lag: int | None = option(
+        None, "None: free-running (timing decides the version; not reproducible). L: step s "
+        "trains the groups of its positions, sampled by version max(0, s - L).")
     synchronous: bool = option(
-        False, "Baseline: generate one step's samples, then train, one version at a time.")
+        False, "Baseline: schedule_lag=0, generate one step's groups, then train on them.")
     vllm_max_retries: int = option(
         3, "Retries of a failed sampling request before the worker gives up.")
     vllm_server_api_key: str | None = option(
@@ -140,6 +144,8 @@ class AsyncGRPOConfig:
     def __post_init__(self):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.synchronous and self.schedule_lag is None:
+            self.schedule_lag = 0
         if isinstance(self.chat_template_kwargs, str):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
         problems = [*self._step_problems(), *self._choice_problems(), *self._range_problems()]
@@ -174,8 +180,10 @@ class AsyncGRPOConfig:
         if self.top_p != 1.0 or self.top_k not in (0, -1) or self.min_p not in (None, 0.0):
             yield ("top_p/top_k/min_p truncation needs the sampling-mask path, not built yet: "
                    "keep top_p=1.0, top_k=0, min_p=None")
-        if self.synchronous and self.weight_sync_steps != 1:
-            yield "synchronous=True needs weight_sync_steps=1 (one version per step)"
+        if self.synchronous and self.schedule_lag not in (None, 0):
+            yield "synchronous=True is schedule_lag=0: leave schedule_lag unset"
+        if self.schedule_lag is not None and self.weight_sync_steps != 1:
+            yield "a fixed schedule (schedule_lag, synchronous) needs weight_sync_steps=1"
 
     def _number_problems(self):
         """Every numeric field a finite number of its declared kind (None where allowed)."""
@@ -224,6 +232,13 @@ class AsyncGRPOConfig:
                 yield f"{name} must be in [0, 1)"
         if self.epsilon_high < self.epsilon:
             yield "epsilon_high must be >= epsilon"
+        if self.schedule_lag is not None:
+            if self.schedule_lag < 0 or self.max_staleness < self.schedule_lag:
+                yield "schedule_lag must be in [0, max_staleness]: its samples are that stale"
+            if self.per_device_train_batch_size * self.gradient_accumulation_steps < (
+                    self.num_generations):
+                yield ("a fixed schedule trains whole groups: per_device_train_batch_size x "
+                       "gradient_accumulation_steps must hold num_generations samples")
         if self.score_centering and self.num_sampler_logprobs < 1:
             yield "score_centering needs num_sampler_logprobs >= 1"
 
@@ -237,6 +252,18 @@ class AsyncGRPOConfig:
             raise ValueError(f"AsyncGRPOConfig: {name}={value} is a fraction of max_steps: "
                              "set max_steps > 0, or give a whole number of steps")
         return max(1, math.ceil(value * self.max_steps))
+
+    @property
+    def groups_per_step(self) -> int:
+        """A fixed schedule's step: this many consecutive prompt positions."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps // (
+            self.num_generations)
+
+    def schedule_version(self, position: int) -> int | None:
+        """The weight version that samples `position`'s group (None: free-running)."""
+        if self.schedule_lag is None:
+            return None
+        return max(0, position // self.groups_per_step - self.schedule_lag)
 
     @property
     def data_order_seed(self) -> int:

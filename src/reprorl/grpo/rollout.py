@@ -13,9 +13,10 @@ Flow control (the seed's "Concurrency"):
 - server load: a live cap on rollouts in flight, started at the KV-cache capacity over
   max_model_len and adjusted from `/metrics` every 5 s (+25 % below 60 % usage with nothing
   waiting, -30 % above 80 %); `max_concurrent_rollouts` bounds it;
-- `synchronous=True` is the baseline: fill the queue to one step's samples under version v,
-  then wait until the trainer has stepped and synced v+1 (the worker tells the trainer through
-  `baseline_counters` when its batch is complete).
+- a fixed schedule (`schedule_lag` L; `synchronous=True` is L = 0): the group of position p is
+  sampled by version max(0, p // groups_per_step - L) and starts only once that version is
+  published, so which version samples what never depends on timing; the allowance and the
+  staleness rule play no part (the schedule bounds the lag).
 Positions count through each epoch's seeded shuffle of the rows. Every position reaches the
 trainer exactly once: as samples, or as a "consumed" marker (filtered prompt, dropped group),
 so the trainer can keep the resume cursor; a resumed worker starts at the cursor and skips
@@ -219,7 +220,7 @@ class AsyncRolloutLoop:
                  tools=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
                  queued_tokens=None, queued_samples=None, stop_event=None,
-                 consumed_after_cursor=(), baseline_counters=None):
+                 consumed_after_cursor=()):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
         self.eos_token_ids = set(eos_token_ids)
@@ -231,8 +232,6 @@ class AsyncRolloutLoop:
         self.lora_name, self.start = lora_name, dataset_start_index
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
         self.stop_event = stop_event
-        # synchronous baseline, shared with the trainer: [batch complete, GroupResults put]
-        self.baseline_counters = baseline_counters
         self.consumed_after_cursor = set(consumed_after_cursor)  # a resume skips these
         self.request_number = 0
         self.in_flight_groups = 0
@@ -241,8 +240,6 @@ class AsyncRolloutLoop:
         self.cap = config.max_concurrent_rollouts
         self.finished_since_raise = 0
         self.records: list[tuple] = []
-        self.produced_samples = 0
-        self.scoring = False
         self.last_rate_time = time.monotonic()
 
     # ------------------------------------------------------------ hooks
@@ -282,7 +279,8 @@ class AsyncRolloutLoop:
             # the group's adapter left the live window (max_staleness 0) before this request
             # got through: sample under the current one; the group keeps its older version,
             # so the trainer's staleness rule still judges it conservatively
-            if error.status != 404 or self.lora_name is None or model == self.served_name():
+            if error.status != 404 or self.lora_name is None or model == self.served_name() or (
+                    self.config.schedule_lag is not None):  # a fixed schedule never swaps
                 raise
             reply, retries = await self.client.complete(model=self.served_name(), **settings)
         self.record("rollout/vllm_retry_count", retries)  # 0s too: the metric is always there
@@ -315,8 +313,6 @@ class AsyncRolloutLoop:
 
     def _put(self, result: GroupResult) -> None:
         self.rollout_buffer.put(result)
-        if self.baseline_counters is not None:
-            self.baseline_counters[1] += 1  # the trainer compares it with what it received
 
     def served_name(self, version: int | None = None) -> str:
         if self.lora_name is None:
@@ -409,19 +405,15 @@ class AsyncRolloutLoop:
         return has_room(self.queued_tokens.value, self.in_flight_groups,
                         self.tokens_per_group[-32:], self.token_allowance.value)
 
-    async def _wait_for_room(self, batch_start: list) -> None:
-        """Wait for the staleness rule (token allowance, or the synchronous baseline's batch)
-        and the concurrency cap; only the staleness wait is `rollout/backpressure_s`."""
-        held_back = 0.0
+    async def _wait_for_room(self, position: int) -> None:
+        """Wait for the schedule (a fixed one's version, or the free-running token allowance)
+        and the concurrency cap; only the schedule's wait is `rollout/backpressure_s`."""
+        held_back, version = 0.0, self.config.schedule_version(position)
         while not self.stopping():
-            if self.config.synchronous:
-                room = self._baseline_room(batch_start)
-                # the batch is complete once nothing is generating or scoring any more
-                idle = (self.in_flight_groups == 0 and self.score_queue.empty()
-                        and not self.scoring)
-                self.baseline_counters[0] = int(not room and idle)
-            else:
+            if version is None:
                 room = self._room_for_group()
+            else:  # the version that samples this position is published
+                room = self.model_version.value >= version
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
                     self.cap, self.config.num_generations):
                 break
@@ -432,25 +424,12 @@ class AsyncRolloutLoop:
         if held_back:
             self.record("rollout/backpressure_s", held_back)
 
-    def _baseline_room(self, batch_start: list) -> bool:
-        """Baseline: emit one step's samples under version v, then wait until the trainer has
-        stepped and synced v+1. batch_start = [v, samples produced when the batch started];
-        dropped groups do not count, leftovers of the last batch are extra (trained at
-        staleness 1)."""
-        per_step = self.config.per_device_train_batch_size * (
-            self.config.gradient_accumulation_steps)
-        version = self.model_version.value
-        if batch_start[0] is None or version > batch_start[0]:
-            batch_start[0], batch_start[1] = version, self.produced_samples
-        in_batch = self.produced_samples - batch_start[1]
-        return in_batch + self.in_flight_groups * self.config.num_generations < per_step
-
     async def _produce(self) -> None:
         rows = len(self.dataset)
         end = None
         if self.config.max_steps <= 0:
             end = math.ceil(self.config.num_train_epochs * rows)
-        position, accepted_in_epoch, batch_start = self.start, 0, [None, 0]
+        position, accepted_in_epoch = self.start, 0
         group_id, tasks = 0, set()
         while not self.stopping() and (end is None or position < end):
             epoch, index = divmod(position, rows)
@@ -464,7 +443,7 @@ class AsyncRolloutLoop:
             row = self.dataset[row_index]
             if self.filter_prompt(row_index, row, epoch):
                 accepted_in_epoch += 1
-                await self._wait_for_room(batch_start)
+                await self._wait_for_room(position)
                 if self.stopping():
                     break
                 self.in_flight_groups += 1
@@ -485,7 +464,9 @@ class AsyncRolloutLoop:
             await asyncio.sleep(0.1)
 
     async def _group(self, position: int, row_index: int, row: dict, group_id: int) -> None:
-        version = self.model_version.value  # read once: the name and the tag must agree
+        version = self.config.schedule_version(position)
+        if version is None:  # free-running: the newest (read once: name and tag must agree)
+            version = self.model_version.value
         token = _MODEL.set(self.served_name(version))
         try:
             prompt = row["prompt"]
@@ -556,7 +537,6 @@ class AsyncRolloutLoop:
     async def _score(self) -> None:
         while True:
             group = await self.score_queue.get()
-            self.scoring = True
             try:
                 self.record("rollout/score_queue_size", self.score_queue.qsize())
                 self.record("rollout/score_wait_s", time.monotonic() - group.queued_at)
@@ -565,7 +545,6 @@ class AsyncRolloutLoop:
                 self.record("rollout/score_s", time.monotonic() - started)
                 self._emit(group)
             finally:
-                self.scoring = False
                 self.in_flight_groups -= 1  # generated and scored: its samples are queued
                 self.score_queue.task_done()
 
@@ -647,7 +626,6 @@ class AsyncRolloutLoop:
             self.queued_tokens.value += sum(s.tokens for s in samples)
         with self.queued_samples.get_lock():
             self.queued_samples.value += len(samples)
-        self.produced_samples += len(samples)
         self._put(GroupResult(group.position, samples))
 
 

@@ -7,7 +7,8 @@ that does not fit the micro-batch being filled is carried over to the next one, 
 staleness again then (a step and a weight sync may have passed). Every taken or dropped sample
 leaves the shared queued-token and queued-sample counters at once, not after the step: a step
 that held the whole token allowance would otherwise wait for a group the worker may not start.
-Every arrival, training and drop is entered in the `PositionLedger`.
+Every arrival, training and drop is entered in the `PositionLedger`. A fixed schedule takes a
+whole block of positions at a time instead, in position order (`next_block`).
 
 Watchdog: when `stall_positions` prompt positions in a row (an epoch's worth) arrive without a
 sample (dropped for zero reward variance, or filtered), or no sample is trained for
@@ -36,7 +37,7 @@ class StalledRun(RuntimeError):
 class SampleQueue:
     def __init__(self, groups, ledger: PositionLedger, version, max_staleness: int,
                  queued_tokens, queued_samples, window: MetricsWindow, *,
-                 check_worker=lambda: None, baseline_counters=None, log=print,
+                 check_worker=lambda: None, log=print,
                  stall_positions: int | None = None, stall_timeout: float = math.inf):
         self.groups = groups  # the worker's GroupResults (get(timeout=...), queue.Empty)
         self.ledger = ledger
@@ -45,11 +46,10 @@ class SampleQueue:
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples  # shared
         self.window = window
         self.check_worker = check_worker  # raises when the worker failed, died or hung
-        # synchronous baseline: [the worker's batch is complete, GroupResults it put]
-        self.baseline_counters = baseline_counters
         self.log = log
         self.pending: collections.deque[Sample] = collections.deque()
         self.carried: Sample | None = None
+        self.parked: dict[int, list[Sample]] = {}  # fixed schedule: position -> its samples
         self.received = 0  # GroupResults taken off the queue
         self.exhausted = False  # epoch mode: no position is left to arrive
         self.wait_s = 0.0  # time spent waiting for groups since take_wait_s()
@@ -65,26 +65,64 @@ class SampleQueue:
             sample = self._next_sample()
             if sample is None:
                 return samples
-            oversize = batcher.oversize(sample)
-            self.window.add("batch/dropped_oversize_count", int(oversize))
-            if oversize:
-                self.since_trained["samples over token_budget"] += 1
-                logger.warning("dropping a sample of %d tokens: over token_budget=%d",
-                               sample.tokens, batcher.token_budget)
-                self.log(f"warning: dropped a {sample.tokens}-token sample (token_budget "
-                         f"{batcher.token_budget})")
-                self._drop(sample)
+            if self._dropped_oversize(sample, batcher):
                 continue
             if not batcher.fits(samples, sample):
                 self.carried = sample
                 return samples
-            # queue_size: the scored samples that were waiting, this one included
-            self.window.add("rollout/queue_size", self.queued_samples.value)
-            self._release(sample)
+            self._take(sample)
             samples.append(sample)
-            self.last_trained = time.monotonic()
-            self.since_trained.clear()
         return samples
+
+    def next_block(self, first: int, last: int, batcher) -> list[list[Sample]]:
+        """A fixed schedule's step: once every position in [first, last) has arrived (or was
+        consumed before a resume), their samples in position order, cut into the micro-batches
+        the batcher accepts. Groups of later positions that arrive meanwhile wait their turn,
+        so the result never depends on the order in which the worker finished them."""
+        while True:
+            missing = [p for p in range(first, last) if p not in self.parked and not (
+                p < self.ledger.cursor or p in self.ledger.consumed_after_cursor)]
+            if not missing:
+                break
+            started = time.monotonic()
+            group = self._next_group()
+            self.wait_s += time.monotonic() - started
+            if group is None:  # the run's last positions are all here
+                break
+            self.ledger.arrive(group.position, len(group.samples))
+            self.parked[group.position] = group.samples
+        batches: list[list[Sample]] = [[]]
+        for position in range(first, last):
+            for sample in self.parked.pop(position, []):
+                if self._dropped_oversize(sample, batcher):
+                    continue
+                current = batches[-1]
+                if current and not (len(current) < batcher.max_samples
+                                    and batcher.fits(current, sample)):
+                    batches.append(current := [])
+                self._take(sample)
+                current.append(sample)
+        return [batch for batch in batches if batch]
+
+    def _dropped_oversize(self, sample: Sample, batcher) -> bool:
+        oversize = batcher.oversize(sample)
+        self.window.add("batch/dropped_oversize_count", int(oversize))
+        if oversize:
+            self.since_trained["samples over token_budget"] += 1
+            logger.warning("dropping a sample of %d tokens: over token_budget=%d",
+                           sample.tokens, batcher.token_budget)
+            self.log(f"warning: dropped a {sample.tokens}-token sample (token_budget "
+                     f"{batcher.token_budget})")
+            self._drop(sample)
+        return oversize
+
+    def _take(self, sample: Sample) -> None:
+        """`sample` goes to training."""
+        # queue_size: the scored samples that were waiting, this one included
+        self.window.add("rollout/queue_size", self.queued_samples.value)
+        self._release(sample)
+        self.last_trained = time.monotonic()
+        self.since_trained.clear()
 
     def take_wait_s(self) -> float:
         """Seconds spent waiting for the worker since the last call."""
@@ -119,8 +157,6 @@ class SampleQueue:
             except queue.Empty:
                 if self.ledger.all_arrived():
                     break  # the epoch's last groups are all here: train what is left
-                if self._baseline_batch_complete():
-                    return None  # baseline: the worker's batch is all here, train on it
                 self.check_worker()
                 self._check_stall()
                 continue
@@ -151,10 +187,6 @@ class SampleQueue:
         counts = ", ".join(f"{n} {what}" for what, n in sorted(seen.items())
                            if n and what != "empty") or "nothing"
         raise StalledRun(f"{why}; what arrived instead: {counts}. {hint}")
-
-    def _baseline_batch_complete(self) -> bool:
-        counters = self.baseline_counters
-        return counters is not None and bool(counters[0]) and self.received == counters[1]
 
     def _release(self, sample: Sample) -> None:
         """The sample left the queue: it no longer counts against the worker's allowance."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import math
 import multiprocessing as mp
 import os
@@ -167,6 +168,7 @@ class TrainingRun:
     metrics_log: MetricsLog
     logging_every: int  # optimizer steps per metrics window
     save_every: int  # optimizer steps per checkpoint; 0: only the final one
+    checkpoint: Path | None = None  # the one this run resumed from
     global_step: int = 0
     num_tokens: int = 0  # real (unpadded) tokens trained on so far
     loss_sum: float = 0.0
@@ -287,7 +289,7 @@ class AsyncGRPOTrainer:
                           mp.get_context("spawn").RawValue("q", version),
                           MetricsLog(self.output_dir / "metrics.jsonl",
                                      resume=checkpoint is not None),
-                          logging_every, save_every, **counters)
+                          logging_every, save_every, checkpoint, **counters)
         if checkpoint is not None:
             self.log(f"resumed from {checkpoint}: step {run.global_step}, next prompt "
                      f"{ledger.cursor}, version {version}")
@@ -317,7 +319,10 @@ class AsyncGRPOTrainer:
                                     self.tokenizer.pad_token_id or 0)
         run.weights = AdapterVersions(admin, self.lora_dir, LORA_NAME, args.max_staleness + 1,
                                       run.version, self._export_adapter)
-        self._sync(run.version.value)  # cold: the server serves this policy before any rollout
+        current = run.version.value
+        for version, source in self._scheduled_versions(run.checkpoint):
+            run.weights.publish(version, source)  # a resumed fixed schedule's older versions
+        self._sync(current)  # cold: the server serves this policy before any rollout
         self._spawn_worker(run)
 
     def _embedded_server(self) -> ServerProcess:
@@ -350,7 +355,6 @@ class AsyncGRPOTrainer:
         # both sides update these two, under their locks; every other shared value has one
         # writer and no lock, so a worker killed mid-access cannot hang the trainer
         queued_tokens, queued_samples = context.Value("q", 0), context.Value("q", 0)
-        baseline_counters = context.RawArray("q", 2) if args.synchronous else None
         run.allowance = context.RawValue("d", float(  # before the first step: full rows
             max(args.max_staleness, 1) * args.gradient_accumulation_steps
             * run.batcher.token_budget))
@@ -358,8 +362,7 @@ class AsyncGRPOTrainer:
         self.worker = WorkerHandle(context, signals, args.rollout_worker_timeout)
         run.samples = SampleQueue(groups, run.ledger, run.version, args.max_staleness,
                                   queued_tokens, queued_samples, run.window,
-                                  check_worker=self.worker.raise_if_failed,
-                                  baseline_counters=baseline_counters, log=self.log,
+                                  check_worker=self.worker.raise_if_failed, log=self.log,
                                   stall_positions=len(self.rows),
                                   stall_timeout=args.stall_timeout)
         kwargs = {
@@ -371,7 +374,7 @@ class AsyncGRPOTrainer:
             "dataset_start_index": run.ledger.cursor,
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor),
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
-            "baseline_counters": baseline_counters, **signals.worker_kwargs()}
+            **signals.worker_kwargs()}
         self.worker.start(run_rollout_loop, (self.loop_cls, kwargs, os.getpid(),
                                              signals.started))
         self.worker.wait_started(MAIN_GUARD)
@@ -397,6 +400,15 @@ class AsyncGRPOTrainer:
         self.run.window.add("perf/weight_sync_transfer_s", transfer_s)
         return sync_s
 
+    def _scheduled_versions(self, checkpoint: Path | None) -> list[tuple[int, Path]]:
+        """The versions before the newest that a fixed schedule still samples from, as
+        stored in `checkpoint` (`versions/v<N>`): the next blocks are sampled by them."""
+        lag, version = self.args.schedule_lag, self.run.version.value
+        if not lag or checkpoint is None:
+            return []
+        wanted = range(max(0, version - lag), version)
+        return [(v, checkpoint / "versions" / f"v{v}") for v in wanted]
+
     def _checkpoints(self) -> list[Path]:
         """checkpoint-<step> directories, oldest first."""
         found = sorted(self.output_dir.glob("checkpoint-*"),
@@ -410,6 +422,9 @@ class AsyncGRPOTrainer:
         directory = self.output_dir / f"checkpoint-{run.global_step}"
         with atomic_directory(directory) as scratch:
             self._export_adapter(scratch / "adapter")
+            for version, _ in self._scheduled_versions(directory):  # the files as served
+                name = f"v{version}"
+                shutil.copytree(self.lora_dir / name, scratch / "versions" / name)
             buffer = io.BytesIO()
             torch.save({"optimizer": run.optimizer.state_dict(),
                         "global_step": run.global_step, "num_tokens": run.num_tokens,
@@ -529,22 +544,32 @@ class AsyncGRPOTrainer:
         return TrainOutput(run.global_step, mean_loss, {"train_loss": mean_loss})
 
     def _loop(self) -> None:
-        """Optimizer steps until max_steps, or until the epochs' prompts are all consumed."""
+        """Optimizer steps until max_steps, or until the epochs' prompts are all consumed. A
+        fixed schedule steps once per block of `groups_per_step` positions (version N trained
+        blocks 0..N-1, and a block whose groups all dropped publishes the same weights)."""
         run, args = self.run, self.args
         bar = self._progress_bar()
         while args.max_steps <= 0 or run.global_step < args.max_steps:
             started = time.monotonic()
-            step = self._accumulate()
-            if not step.samples:
-                if run.samples.exhausted:
-                    break  # every prompt of the last epoch has been consumed
-                time.sleep(0.01)  # synchronous baseline: the worker is starting the next batch
-                continue
-            self._optimizer_step(step)
+            fixed = args.schedule_lag is not None
+            if fixed:
+                first = run.version.value * args.groups_per_step
+                if run.ledger.end is not None and first >= run.ledger.end:
+                    break
+                step = self._accumulate(first, first + args.groups_per_step)
+            else:
+                step = self._accumulate()
+            if not step.samples and not fixed:
+                break  # every prompt of the last epoch has been consumed
+            if step.samples:
+                self._optimizer_step(step)
             for sample in step.samples:
                 run.ledger.consume(sample.position)
             # the worker may keep max(max_staleness, 1) steps' worth of tokens in the pipeline
             run.allowance.value = float(max(args.max_staleness, 1) * step.sample_tokens)
+            if not step.samples:
+                self._sync(run.version.value + 1)  # a fixed schedule's empty block
+                continue
             if run.global_step % args.weight_sync_steps == 0:
                 step.sync_s = self._sync(run.version.value + 1)
             self._record_step(step, time.monotonic() - started)
@@ -559,14 +584,17 @@ class AsyncGRPOTrainer:
         if run.window.values or run.window.rates:
             self._log_window([])
 
-    def _accumulate(self) -> Step:
-        """Up to `gradient_accumulation_steps` micro-batches, each forwarded and backwarded."""
+    def _accumulate(self, first: int | None = None, last: int | None = None) -> Step:
+        """Up to `gradient_accumulation_steps` micro-batches, each forwarded and backwarded;
+        a fixed schedule's step: those of the positions [first, last)."""
         run, accumulation = self.run, self.args.gradient_accumulation_steps
         step = Step()
-        for _ in range(accumulation):
-            samples = run.samples.next_microbatch(run.batcher)
-            if not samples:
-                break
+        if first is None:
+            batches = itertools.islice(
+                iter(lambda: run.samples.next_microbatch(run.batcher), []), accumulation)
+        else:
+            batches = run.samples.next_block(first, last, run.batcher)
+        for samples in batches:
             started = time.monotonic()
             batch = run.batcher.collate(samples)
             loss, stats = self._loss(batch)
@@ -583,11 +611,11 @@ class AsyncGRPOTrainer:
         return step
 
     def _optimizer_step(self, step: Step) -> None:
-        """Clip and apply the accumulated gradients. A step of fewer micro-batches than asked
-        (the epoch's end; in the synchronous baseline, a batch thinned by dropped groups) is
-        a mean over its own: gradients and loss are scaled up to it."""
+        """Clip and apply the accumulated gradients. A step of another number of micro-batches
+        than asked (the epoch's end; a fixed schedule's block, thinned by dropped groups or cut
+        finer by the token budget) is a mean over its own: gradients and loss are rescaled."""
         run, args = self.run, self.args
-        if step.microbatches < args.gradient_accumulation_steps:
+        if step.microbatches != args.gradient_accumulation_steps:
             scale = args.gradient_accumulation_steps / step.microbatches
             for p in self.model.parameters():
                 if p.grad is not None:

@@ -27,12 +27,16 @@ class AdapterVersions:
     def adapter_name(self, version: int) -> str:
         return f"{self.name}-v{version}"
 
-    def publish(self, version: int) -> tuple[float, float]:
-        """Make `version` the served policy; returns (transfer seconds, total seconds)."""
+    def publish(self, version: int, source: Path | None = None) -> tuple[float, float]:
+        """Make `version` the served policy (the policy's weights now, or the adapter stored
+        at `source`); returns (transfer seconds, total seconds)."""
         started = time.monotonic()
         directory = self.directory / f"v{version}"
         shutil.rmtree(directory, ignore_errors=True)
-        self.export(directory)
+        if source is None:
+            self.export(directory)
+        else:
+            shutil.copytree(source, directory)
         self.admin.load_lora_adapter(self.adapter_name(version), str(directory.resolve()))
         transfer_s = time.monotonic() - started
         self.version.value = version
