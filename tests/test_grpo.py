@@ -86,6 +86,12 @@ def delayed_token_sum_reward(completion_ids, **kwargs):
     return token_sum_reward(completion_ids)
 
 
+def flat_first_rows_reward(completion_ids, flat, **kwargs):
+    """The same value for every completion of a `flat` row (its group drops), else
+    token_sum_reward."""
+    return [1.0 if f else v for f, v in zip(flat, token_sum_reward(completion_ids))]
+
+
 def hung_reward(completions, **kwargs):
     time.sleep(60)
     return [0.0] * len(completions)
@@ -650,7 +656,6 @@ def test_a_diverged_policy_is_never_published(tiny_model, tmp_path):
     assert_stopped(out, trainer)
 
 
-
 # ---------------------------------------------------------------- reproducibility
 
 
@@ -686,3 +691,29 @@ def test_a_fixed_schedule_replays_bit_for_bit(tiny_model, tmp_path):
                        max_concurrent_rollouts=4)
     assert all(torch.equal(synchronous[k], one_group[k]) for k in first)
     assert not all(torch.equal(synchronous[k], first[k]) for k in first)  # lag matters
+
+
+@pytest.mark.timeout(400)
+def test_a_fixed_schedule_steps_over_an_empty_block_and_resumes_after_it(tiny_model, tmp_path):
+    """Block 0 (rows 0 and 1, in dataset order) has no signal: it trains nothing and publishes
+    the same weights as version 1; block 1 is then sampled by version 0 (lag 1). A run resumed
+    after that ends bitwise where the continuous one does."""
+    rows = make_rows(8, flat=[True, True] + [False] * 6)
+
+    def run(name, resume=False, **overrides):
+        args = make_args(tmp_path, name, max_staleness=1, schedule_lag=1,
+                         train_sampling_strategy="sequential", **{"max_steps": 3, **overrides})
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=flat_first_rows_reward,
+                                   args=args, train_dataset=rows, log=lambda m: None)
+        trainer.train(resume_from_checkpoint=resume or None)
+        return adapter_state(trainer), read_metrics(Path(args.output_dir)), args
+
+    continuous, lines, args = run("continuous")
+    steps = [line for line in lines if "perf/step_s" in line]
+    assert len(steps) == 3 and steps[0]["sample/staleness_max"] == 1  # block 1 from version 0
+    state = json.loads((Path(args.output_dir) / "checkpoint-3" / "rollout_state.json")
+                       .read_text())
+    assert state["model_version"] == 4 and state["next_prompt_index"] == 8  # 4 blocks of 2
+    run("resumed", max_steps=1)
+    resumed, _, _ = run("resumed", resume=True)
+    assert all(torch.equal(continuous[k], resumed[k]) for k in continuous)

@@ -112,8 +112,8 @@ class Pipeline:
         self.batcher = PaddedBatcher(budget, max_samples, 1, 0)
         self.queue = SampleQueue(self.groups, self.ledger, self.version, max_staleness,
                                  self.tokens, self.count, self.window,
-                                 check_worker=self.check, log=self.messages.append, stall_positions=stall_positions,
-                                 stall_timeout=stall_timeout)
+                                 check_worker=self.check, log=self.messages.append,
+                                 stall_positions=stall_positions, stall_timeout=stall_timeout)
 
     def check(self):
         self.checks += 1

@@ -618,3 +618,19 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
     assert "a kernel fault" in together[3][1]["error"]["message"]
     assert "NaN" in together[4][1]["error"]["message"]
     assert health == 200
+
+
+def test_a_full_group_at_one_position_decodes_as_each_alone(tiny_model, tmp_path):
+    """Two requests that fill their decode group at the same positions, crossing the attended
+    length's step at 64 (where a 2-D mask would be all true and dropped): each gets the bits it
+    gets alone, where the other row of its group is a dummy."""
+    bodies = [{"prompt": [7 + i] * 60, "max_tokens": 10, "seed": i, "logprobs": 3,
+               "ignore_eos": True, "return_token_ids": True} for i in range(2)]
+    flags = ("--max-model-len", "128", "--max-num-seqs", "2", "--decode-rows", "2")
+    with running_server(tiny_model, tmp_path, *flags) as (url, _):
+        alone = [complete(url, **body) for body in bodies]
+        for _ in range(3):
+            with ThreadPoolExecutor(2) as pool:
+                together = list(pool.map(lambda body: complete(url, **body), bodies))
+            for a, b in zip(alone, together):
+                assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]

@@ -235,6 +235,6 @@ class ServerAdmin:
     def metrics(self) -> dict | None:
         try:
             response = self.request("GET", "/metrics", timeout=10)
-        except requests.RequestException:
+        except (requests.RequestException, TimeoutError):
             return None
         return parse_prometheus(response.text) if response.status_code == 200 else None

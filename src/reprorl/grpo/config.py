@@ -235,10 +235,11 @@ class AsyncGRPOConfig:
         if self.schedule_lag is not None:
             if self.schedule_lag < 0 or self.max_staleness < self.schedule_lag:
                 yield "schedule_lag must be in [0, max_staleness]: its samples are that stale"
-            if self.per_device_train_batch_size * self.gradient_accumulation_steps < (
-                    self.num_generations):
+            if self.per_device_train_batch_size * self.gradient_accumulation_steps % (
+                    self.num_generations) or self.per_device_train_batch_size * (
+                    self.gradient_accumulation_steps) < self.num_generations:
                 yield ("a fixed schedule trains whole groups: per_device_train_batch_size x "
-                       "gradient_accumulation_steps must hold num_generations samples")
+                       "gradient_accumulation_steps must be a multiple of num_generations")
         if self.score_centering and self.num_sampler_logprobs < 1:
             yield "score_centering needs num_sampler_logprobs >= 1"
 

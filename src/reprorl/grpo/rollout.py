@@ -324,8 +324,9 @@ class AsyncRolloutLoop:
                                        self.config.vllm_request_timeout,
                                        self.config.vllm_max_retries,
                                        self.config.vllm_server_api_key)
-        # sync reward functions run here, not in asyncio's default pool: a hung one must not
-        # keep asyncio.run() from returning (it waits for the default pool's threads)
+        # sync reward functions run here, not in asyncio's default pool: asyncio.run() waits
+        # for the default pool's threads, so a hung one would keep the worker from reporting
+        # its failure; the thread itself lives on until the trainer terminates the worker
         self.reward_pool = ThreadPoolExecutor(max(1, len(self.reward_funcs)),
                                               thread_name_prefix="reward")
         self.score_queue: asyncio.Queue = asyncio.Queue(self.score_queue_maxsize)

@@ -158,18 +158,22 @@ class SampleQueue:
                 if self.ledger.all_arrived():
                     break  # the epoch's last groups are all here: train what is left
                 self.check_worker()
-                self._check_stall()
+                self._check_stall(clock=True)
                 continue
             self.received += 1
-            if not group.samples:  # a position that cannot lead to training
+            if group.samples:  # progress: these samples will train
+                self.last_trained = time.monotonic()
+            else:  # a position that cannot lead to training
                 self.since_trained["empty"] += 1
                 self.since_trained[f"{group.reason} groups"] += 1
-            self._check_stall()
+            self._check_stall(clock=False)
             return group
         self.exhausted = True
         return None
 
-    def _check_stall(self) -> None:
+    def _check_stall(self, clock: bool) -> None:
+        """Raise `StalledRun` after an epoch of empty positions, or (`clock`: while waiting
+        for the worker) after `stall_timeout` seconds without samples."""
         idle_s, seen = time.monotonic() - self.last_trained, self.since_trained
         if self.stall_positions is not None and seen["empty"] >= self.stall_positions:
             why = (f"{seen['empty']} prompt positions in a row (an epoch of "
@@ -177,7 +181,7 @@ class SampleQueue:
             hint = ("GRPO learns only from groups whose rewards differ: check the reward "
                     "functions (a reward that gives every completion of a group the same "
                     "value leaves nothing to learn), filter_prompt, max_staleness, token_budget")
-        elif idle_s > self.stall_timeout:
+        elif clock and idle_s > self.stall_timeout:
             why = (f"no sample was trained for {idle_s:.0f} s (stall_timeout="
                    f"{self.stall_timeout:g} s)")
             hint = ("the worker is alive: look for a generation server that accepts requests "

@@ -142,7 +142,10 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 def adapter_files(name: str, path: str, root: Path | None) -> list[Path]:
     """The adapter's two files: under `root` (when the server was given one) and regular
     files, not links, so a client cannot make the server read anything else."""
-    directory = Path(path).resolve()
+    try:
+        directory = Path(path).resolve()
+    except (OSError, ValueError) as error:  # e.g. an embedded NUL byte
+        raise ApiError(400, f"Loading lora {name} failed: {error}") from error
     if root is not None and not directory.is_relative_to(root):
         raise ApiError(400, f"Loading lora {name} failed: {path} is outside the adapter root "
                        f"{root} (--lora-root).")
@@ -150,7 +153,7 @@ def adapter_files(name: str, path: str, root: Path | None) -> list[Path]:
     for file in files:
         try:
             mode = os.lstat(file).st_mode
-        except OSError as error:
+        except (OSError, ValueError) as error:
             raise ApiError(400, f"Loading lora {name} failed: {error}") from error
         if not stat.S_ISREG(mode):
             raise ApiError(400, f"Loading lora {name} failed: {file} is not a regular file.")
@@ -371,9 +374,9 @@ class Engine(threading.Thread):
                         self.step(newcomers)
                     except Exception as error:  # a bug outside one sequence's work
                         log.exception("engine step failed")
-                        for seq in self.running:
+                        for seq in list(self.running):
+                            self.release(seq)
                             seq.resolve(ApiError(500, f"generation failed: {error}"))
-                        self.running.clear()
         finally:  # stopped or broken: /health turns 503 and nobody is left waiting
             with self.cond:
                 left, self.running, self.waiting = [*self.running, *self.waiting], [], deque()
@@ -446,6 +449,10 @@ class Engine(threading.Thread):
         if self.cache is None:
             self.cache = self.allocate(layers)
         for slot_layer, layer in zip(self.cache.layers, layers):
+            # zeroed first: a masked position still meets its weight 0 in the attention sum,
+            # and 0 x Inf left by an earlier occupant would be NaN
+            slot_layer.keys[seq.slot].zero_()
+            slot_layer.values[seq.slot].zero_()
             slot_layer.keys[seq.slot, :, :seq.length] = layer.keys[0]
             slot_layer.values[seq.slot, :, :seq.length] = layer.values[0]
         self.sample(seq, output.logits[0, -1])
@@ -484,23 +491,27 @@ class Engine(threading.Thread):
             ids[row, 0], positions[row] = seq.generated[-1], seq.length - 1
             if seq.adapter is not None:
                 by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(row)
+        chosen = {}
+        for key, (_, rows) in by_adapter.items():
+            chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
+            chosen[key][rows] = True
         for name, switch in self.switches.items():
-            switch.by_row = []
-            for adapter, rows in by_adapter.values():
-                if name in adapter.weights:
-                    chosen = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
-                    chosen[rows] = True
-                    switch.by_row.append((adapter.weights[name], chosen))
+            switch.by_row = [(adapter.weights[name], chosen[key])
+                             for key, (adapter, _) in by_adapter.items()
+                             if name in adapter.weights]
         length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
         decoding = torch.tensor([seq.slot - first for seq in members])
         for layer in self.cache.layers:
             layer.window = (first, first + self.rows, length)
             layer.rows, layer.positions = decoding, positions[decoding]
-        mask = (torch.arange(length)[None] <= positions[:, None]).long()
+        # 4-D and boolean: transformers uses it as given; a 2-D mask that happens to be all
+        # true (a full group at one position) would be dropped, and SDPA would then run
+        # another kernel with other bits
+        mask = (torch.arange(length)[None] <= positions[:, None])[:, None, None, :]
         try:
             output = self.model(input_ids=ids, position_ids=positions[:, None],
                                 attention_mask=mask, use_cache=True,
-                                cache_position=torch.tensor([length - 1]),
+                                cache_position=torch.tensor([length - 1]),  # older 5.x read it
                                 **{self.cache_arg: self.cache})
         finally:
             for switch in self.switches.values():
@@ -608,7 +619,11 @@ class Server:
             except web.HTTPException as error:  # aiohttp's own: no route, method, body size
                 if error.status < 400:
                     raise
-                return ApiError(error.status, error.reason).response()
+                message = error.reason
+                if error.status == 413:
+                    message = (f"The request body is larger than --max-request-bytes "
+                               f"({self.args.max_request_bytes}).")
+                return ApiError(error.status, message).response()
             except Exception as error:  # a fault of ours: still JSON, still one request
                 log.exception("request failed")
                 return ApiError(500, f"{type(error).__name__}: {error}").response()
@@ -700,6 +715,9 @@ class Server:
                                           self.args.max_lora_rank, self.lora_root)
         if name in self.adapters:  # loaded by a concurrent request meanwhile
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
+        if len(self.adapters) >= self.args.max_loras:  # likewise
+            raise ApiError(400, f"{self.args.max_loras} LoRA adapters are already loaded "
+                           "(--max-loras); unload one first.")
         self.adapters[name] = adapter
         log.info("loaded LoRA adapter %s from %s", name, path)
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
@@ -759,6 +777,11 @@ class Server:
             raise ApiError(400, f"Token id out of vocabulary (size {self.vocab}).")
         return prompt
 
+    def refuse_if_overloaded(self) -> None:
+        if len(self.engine.waiting) >= self.args.max_waiting_requests:
+            raise ApiError(503, f"The server is overloaded: {len(self.engine.waiting)} requests "
+                           "are waiting (--max-waiting-requests); retry later.")
+
     async def in_text_pool(self, work):
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, work)
 
@@ -769,9 +792,7 @@ class Server:
             raise ApiError(404, f"The model `{model}` does not exist.")
         if not self.engine.is_alive():
             raise ApiError(503, "The engine thread is not running.")
-        if len(self.engine.waiting) >= self.args.max_waiting_requests:
-            raise ApiError(503, f"The server is overloaded: {len(self.engine.waiting)} requests "
-                           "are waiting (--max-waiting-requests); retry later.")
+        self.refuse_if_overloaded()
         prompt = await self.prompt(body.get("prompt"))
         params = self.params(body, len(prompt))
         seed = number(body, "seed", None, int)
@@ -779,6 +800,7 @@ class Server:
             self.rng.getrandbits(63) if seed is None else seed % (1 << 64))
         reply = Reply.of(body, model)
         del body  # a waiting request keeps only what its reply needs
+        self.refuse_if_overloaded()  # again: others may have queued while this one tokenised
         loop = asyncio.get_running_loop()
         seq = Sequence(prompt, params, self.adapters.get(model), generator,
                        loop.create_future(), loop)
@@ -908,6 +930,10 @@ async def serve(server: Server, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
+    if args.api_key is not None and not all(args.api_key):  # e.g. an unset shell variable
+        print("reprorl serve: error: --api-key is empty: give a key, or leave the flag out",
+              file=sys.stderr)
+        return 2
     if args.lora_root and not Path(args.lora_root).is_dir():
         print(f"reprorl serve: error: --lora-root {args.lora_root} is not a directory",
               file=sys.stderr)
@@ -927,11 +953,17 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True,
                                               trust_remote_code=args.trust_remote_code)
-    server = Server(args, model, tokenizer)
-    if server.max_len > args.kv_cache_tokens:
-        print(f"reprorl serve: error: --max-model-len {server.max_len} exceeds --kv-cache-tokens "
+    max_len = args.max_model_len or model.config.max_position_embeddings
+    if max_len > args.kv_cache_tokens:
+        print(f"reprorl serve: error: --max-model-len {max_len} exceeds --kv-cache-tokens "
               f"{args.kv_cache_tokens}", file=sys.stderr)
         return 2
+    if getattr(model.config, "use_sliding_window", False) or "sliding_attention" in (
+            getattr(model.config, "layer_types", None) or ()):
+        print("reprorl serve: error: sliding-window attention is not supported (the decode "
+              "step's mask is per row, not per window)", file=sys.stderr)
+        return 2
+    server = Server(args, model, tokenizer)
     server.engine.start()
     asyncio.run(serve(server, args))
     return 0
