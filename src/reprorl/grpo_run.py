@@ -6,10 +6,10 @@ Both runs start from the SFT actor (its adapters keep training) and differ only 
   through the `verifier` corpus scope: this run learns from the task's true criterion;
 - `grpo_learned`: the frozen Bradley-Terry reward model's score ("predicted simulated
   preference"), minus `cut_penalty` for a response cut without EOS, as in PPO.
-The embedded generation server samples; the trainer and the worker run beside it. An async
-run depends on timing (which version served which request), so its bytes are not
-reproducible; every artifact is still hashed in the manifest. The run's held-out evaluation is
-the generate/evaluate rules, shared with SFT and PPO.
+The embedded generation server samples; the trainer and the worker run beside it. With the
+profile's `grpo.schedule_lag` (default 1) the schedule is fixed and the server batch invariant,
+so a run's bytes do not depend on timing; with `schedule_lag: null` (free-running) they do.
+The run's held-out evaluation is the generate/evaluate rules, shared with SFT and PPO.
 """
 
 from __future__ import annotations
