@@ -47,6 +47,7 @@ TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scance
          "munged", "munge", "unmunge")
 MUNGE_KEY = Path("/etc/munge/munge.key")
 MUNGE_SOCKET_DIR = Path("/run/munge")
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
 RUN_SLURM_CONF = Path("/run/slurm/conf")  # where slurmd links its configless cache
 
 
@@ -194,6 +195,9 @@ def slurm_cluster(tmp_path_factory):
     """A running single-node cluster; yields the environment that reaches it (SLURM_CONF)."""
     if os.geteuid() != 0:
         pytest.skip("starting slurmctld, slurmd and munged needs root")
+    # Debian puts the daemons in /usr/sbin, which a minimal PATH (CI's, cron's) leaves out
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([*path, *(d for d in SBIN if d not in path)])
     install_slurm()
     if Path("/etc/slurm/slurm.conf").exists():
         pytest.skip("/etc/slurm/slurm.conf exists: this machine belongs to another SLURM "
