@@ -180,7 +180,7 @@ class AsyncGRPOConfig:
         if self.top_p != 1.0 or self.top_k not in (0, -1) or self.min_p not in (None, 0.0):
             yield ("top_p/top_k/min_p truncation needs the sampling-mask path, not built yet: "
                    "keep top_p=1.0, top_k=0, min_p=None")
-        if self.synchronous and self.schedule_lag not in (None, 0):
+        if self.synchronous and self.schedule_lag != 0:  # __post_init__ set None to 0
             yield "synchronous=True is schedule_lag=0: leave schedule_lag unset"
         if self.schedule_lag is not None and self.weight_sync_steps != 1:
             yield "a fixed schedule (schedule_lag, synchronous) needs weight_sync_steps=1"
@@ -235,9 +235,8 @@ class AsyncGRPOConfig:
         if self.schedule_lag is not None:
             if self.schedule_lag < 0 or self.max_staleness < self.schedule_lag:
                 yield "schedule_lag must be in [0, max_staleness]: its samples are that stale"
-            if self.per_device_train_batch_size * self.gradient_accumulation_steps % (
-                    self.num_generations) or self.per_device_train_batch_size * (
-                    self.gradient_accumulation_steps) < self.num_generations:
+            samples = self.per_device_train_batch_size * self.gradient_accumulation_steps
+            if samples % self.num_generations:  # also when fewer samples than a group
                 yield ("a fixed schedule trains whole groups: per_device_train_batch_size x "
                        "gradient_accumulation_steps must be a multiple of num_generations")
         if self.score_centering and self.num_sampler_logprobs < 1:

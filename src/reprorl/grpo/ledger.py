@@ -44,13 +44,17 @@ class PositionLedger:
         """Epoch mode: every position of the run is consumed."""
         return self.end is not None and self.cursor >= self.end
 
+    def has_arrived(self, position: int) -> bool:
+        """`position`'s group came off the queue, or was consumed before a resume."""
+        return (position < self.cursor or position in self.arrived
+                or position in self.consumed_after_cursor)
+
     def all_arrived(self) -> bool:
         """Epoch mode: every position not yet consumed has come off the queue, so no group is
         left to wait for (False when the run ends by steps)."""
         if self.end is None:
             return False
-        return all(p in self.arrived or p in self.consumed_after_cursor
-                   for p in range(self.cursor, self.end))
+        return all(self.has_arrived(p) for p in range(self.cursor, self.end))
 
     def state(self) -> dict:
         """The ledger's part of `rollout_state.json`."""

@@ -79,17 +79,10 @@ class SampleQueue:
         consumed before a resume), their samples in position order, cut into the micro-batches
         the batcher accepts. Groups of later positions that arrive meanwhile wait their turn,
         so the result never depends on the order in which the worker finished them."""
-        while True:
-            missing = [p for p in range(first, last) if p not in self.parked and not (
-                p < self.ledger.cursor or p in self.ledger.consumed_after_cursor)]
-            if not missing:
-                break
-            started = time.monotonic()
-            group = self._next_group()
-            self.wait_s += time.monotonic() - started
+        while not all(self.ledger.has_arrived(p) for p in range(first, last)):
+            group = self._arrival()
             if group is None:  # the run's last positions are all here
                 break
-            self.ledger.arrive(group.position, len(group.samples))
             self.parked[group.position] = group.samples
         batches: list[list[Sample]] = [[]]
         for position in range(first, last):
@@ -103,6 +96,15 @@ class SampleQueue:
                 self._take(sample)
                 current.append(sample)
         return [batch for batch in batches if batch]
+
+    def _arrival(self) -> GroupResult | None:
+        """The next group off the queue, timed as waiting and entered in the ledger."""
+        started = time.monotonic()
+        group = self._next_group()
+        self.wait_s += time.monotonic() - started
+        if group is not None:
+            self.ledger.arrive(group.position, len(group.samples))
+        return group
 
     def _dropped_oversize(self, sample: Sample, batcher) -> bool:
         oversize = batcher.oversize(sample)
@@ -142,12 +144,9 @@ class SampleQueue:
                     return sample
                 self.since_trained["stale samples"] += 1
                 self._drop(sample)
-            started = time.monotonic()
-            group = self._next_group()
-            self.wait_s += time.monotonic() - started
+            group = self._arrival()
             if group is None:
                 return None
-            self.ledger.arrive(group.position, len(group.samples))
             self.pending.extend(group.samples)
 
     def _next_group(self) -> GroupResult | None:

@@ -568,7 +568,7 @@ class Server:
     def __init__(self, args, model, tokenizer):
         self.args, self.tokenizer = args, tokenizer
         self.name = args.served_model_name or args.model
-        self.max_len = args.max_model_len or model.config.max_position_embeddings
+        self.max_len = served_length(args, model)
         self.adapters: dict[str, Adapter] = {}
         self.rng = random.Random(args.seed)
         self.created = int(time.time())
@@ -854,6 +854,11 @@ class Server:
 # ---------------------------------------------------------------- entry point
 
 
+def served_length(args, model) -> int:
+    """`--max-model-len`, or the model's positions."""
+    return args.max_model_len or model.config.max_position_embeddings
+
+
 def count(low: int, high: int | None = None):
     """An argparse type: an integer in [low, high]."""
     def parse(text: str) -> int:
@@ -953,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
         attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True,
                                               trust_remote_code=args.trust_remote_code)
-    max_len = args.max_model_len or model.config.max_position_embeddings
+    max_len = served_length(args, model)
     if max_len > args.kv_cache_tokens:
         print(f"reprorl serve: error: --max-model-len {max_len} exceeds --kv-cache-tokens "
               f"{args.kv_cache_tokens}", file=sys.stderr)

@@ -548,10 +548,9 @@ class AsyncGRPOTrainer:
         fixed schedule steps once per block of `groups_per_step` positions (version N trained
         blocks 0..N-1, and a block whose groups all dropped publishes the same weights)."""
         run, args = self.run, self.args
-        bar = self._progress_bar()
+        bar, fixed = self._progress_bar(), args.schedule_lag is not None
         while args.max_steps <= 0 or run.global_step < args.max_steps:
             started = time.monotonic()
-            fixed = args.schedule_lag is not None
             if fixed:
                 first = run.version.value * args.groups_per_step
                 if run.ledger.end is not None and first >= run.ledger.end:
@@ -559,17 +558,16 @@ class AsyncGRPOTrainer:
                 step = self._accumulate(first, first + args.groups_per_step)
             else:
                 step = self._accumulate()
-            if not step.samples and not fixed:
-                break  # every prompt of the last epoch has been consumed
-            if step.samples:
-                self._optimizer_step(step)
+            if not step.samples:
+                if not fixed:
+                    break  # every prompt of the last epoch has been consumed
+                self._sync(run.version.value + 1)  # a fixed schedule's empty block
+                continue
+            self._optimizer_step(step)
             for sample in step.samples:
                 run.ledger.consume(sample.position)
             # the worker may keep max(max_staleness, 1) steps' worth of tokens in the pipeline
             run.allowance.value = float(max(args.max_staleness, 1) * step.sample_tokens)
-            if not step.samples:
-                self._sync(run.version.value + 1)  # a fixed schedule's empty block
-                continue
             if run.global_step % args.weight_sync_steps == 0:
                 step.sync_s = self._sync(run.version.value + 1)
             self._record_step(step, time.monotonic() - started)
