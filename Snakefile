@@ -13,7 +13,6 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/base_model.smk"
 include: "rules/training.smk"
-include: "rules/grpo.smk"
 include: "rules/generate.smk"
 include: "rules/evaluate.smk"
 include: "rules/audit.smk"
@@ -29,8 +28,8 @@ rule all:
         rules.sft_validation.output,
         rules.ppo_resume_check.output,
         rules.ppo_report.output,
-        rules.grpo_verifier.output,
-        rules.grpo_learned.output,
+        rules.grpo_verifier_resume_check.output,
+        rules.grpo_learned_resume_check.output,
         rules.evaluate.output,
         rules.exercise.output,
         rules.report.output,

@@ -11,11 +11,11 @@ embedded server:
 - free: the free-running flow control (`max_staleness` = 4, token allowance; timing decides
   which version generates what, so it does not replay).
 Printed: trained samples/s and trained tokens/s of each arm, their ratios to sync, and the
-queue and backpressure metrics that explain them; the ratios last as one JSON line. Needs the
-pipeline's model and SFT adapters of the profile:
+queue and backpressure metrics that explain them; the ratios last as one JSON line. It needs
+the pipeline's model, corpus and SFT adapters of the profile, found in the working directory
+(a checkout that ran the pipeline) or built there first by `snakemake sft_resume`:
 
-    snakemake --cores all sft_resume   # once (add --configfile configs/ci.yaml for CI sizes)
-    python benchmarks/grpo_async.py --steps 40
+    python benchmarks/grpo_async.py --steps 40   # --config configs/ci.yaml for CI sizes
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 from reprorl import config as configuration
-from reprorl import exports
+from reprorl import exports, layout
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset
@@ -38,7 +40,9 @@ REPORTED = ("perf/rollout_wait_s", "rollout/backpressure_s", "rollout/queue_size
             "frac_reward_zero_std", "rollout/vllm_kv_cache_usage_frac")
 
 
-ARMS = {"sync": {"synchronous": True}, "fixed": {"schedule_lag": 1}, "free": {}}
+# each arm's schedule; the profile's own `grpo.schedule_lag` is replaced, never combined
+ARMS = {"sync": {"synchronous": True, "schedule_lag": None}, "fixed": {"schedule_lag": 1},
+        "free": {"schedule_lag": None}}
 
 
 def arm(config: dict, name: str, steps: int, workdir: Path, reward: str) -> dict:
@@ -78,6 +82,16 @@ def arm(config: dict, name: str, steps: int, workdir: Path, reward: str) -> dict
             **means}
 
 
+def ensure_sft(config_path: str) -> None:
+    """The profile's SFT actor (and the model and corpus it needs), built when missing."""
+    if all(path.is_file() for path in layout.final_files("sft")):
+        return
+    command = [sys.executable, "-m", "snakemake", "--cores", "all", "--configfile",
+               config_path, "sft_resume"]
+    print("building the SFT actor first:", " ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
@@ -88,6 +102,7 @@ def main() -> None:
                              "the two sides of the async arm each own a core on 2 cores")
     args = parser.parse_args()
     config = configuration.load(args.config)
+    ensure_sft(args.config)
     import torch
 
     torch.set_num_threads(args.trainer_threads)

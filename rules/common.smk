@@ -43,9 +43,10 @@ def stage_params(stage):
 
 
 # The shell command of every stage rule; the config subset travels as params.config.
+# The first log is the stage's own output (a GRPO run's second holds its timed metrics).
 STAGE_COMMAND = (
     "python -m reprorl {params.stage} --config-json {params.config:q}"
-    " --threads {threads} > {log} 2>&1"
+    " --threads {threads} > {log[0]} 2>&1"
 )
 
 
@@ -58,10 +59,14 @@ def final_files(*names):
 
 def training_inputs(branch, mode):
     """What a branch starts from beyond the corpus and the base: PPO from the SFT actor and the
-    reward model; a resume from its own interrupt state."""
+    reward model, GRPO from the SFT actor (the learned run also scores with the reward model);
+    a resume from its own interrupt state. The verifier reads the rollout prompts'
+    situations from the corpus."""
     inputs = {}
-    if branch == "ppo":
+    if branch in ("ppo", "grpo_learned"):
         inputs |= {"sft": final_files("sft"), "reward": final_files("reward")}
+    elif branch == "grpo_verifier":
+        inputs["sft"] = final_files("sft")
     if mode == "resume":
         inputs["interrupted"] = str(layout.state(branch, "interrupt"))
     return inputs

@@ -1,8 +1,11 @@
-# The resumable training branches: the SFT actor, the Bradley-Terry reward model, and PPO's
-# actor and critic (against the frozen reward model and reference). Each runs three times:
-# interrupted (after SFT/reward epoch 1, PPO iteration 40), resumed from that state in a fresh
-# process, and straight through; `<branch>_resume_check` passes only if resume and continuous
-# end in bitwise-equal states.
+# The resumable training branches: the SFT actor, the Bradley-Terry reward model, PPO's actor
+# and critic (against the frozen reward model and reference), and the two async GRPO runs from
+# the SFT actor on the 672 rollout prompts (a: the rubric as an exact verifier on the train
+# families, b: the frozen learned reward model; the trainer, a spawned rollout worker and the
+# embedded generation server share the rule's two threads). Each runs three times:
+# interrupted (after SFT/reward epoch 1, PPO iteration 40, half the GRPO steps), resumed from
+# that state in a fresh process, and straight through; `<branch>_resume_check` passes only if
+# resume and continuous end in bitwise-equal states. The resume's exports are the policy.
 
 
 for branch in EXPORTS:
@@ -19,14 +22,14 @@ for branch in EXPORTS:
             output:
                 **stage_output(stage),
             log:
-                layout.log(stage),
+                **layout.logs(stage),
             benchmark:
                 layout.benchmark(stage)
             conda:
                 "../workflow/envs/reprorl.yaml"
             threads: stage_threads(stage)
             resources:
-                mem_mb=4000,
+                mem_mb=6000 if branch.startswith("grpo_") else 4000,
             params:
                 **stage_params(stage),
             shell:

@@ -51,12 +51,15 @@ def test_repeated_probe_identity_check_fails_on_a_tampered_file(tmp_path):
 def test_evaluation_refuses_missing_or_failed_resume_checks(in_tmp):
     with pytest.raises(ReproError, match="sft/resume-check.json is missing"):
         evaluate.resume_checks()
-    for branch in ("sft", "reward", "ppo"):
+    branches = ("sft", "reward", "ppo", "grpo_verifier", "grpo_learned")
+    for branch in branches:
         write_json(f"outputs/learning/{branch}/resume-check.json", {"status": "PASS"})
-    assert set(evaluate.resume_checks()) == {"sft", "reward", "ppo"}
-    write_json("outputs/learning/reward/resume-check.json", {"status": "FAIL"})
-    with pytest.raises(ReproError, match="reward/resume-check.json says FAIL"):
-        evaluate.resume_checks()
+    assert set(evaluate.resume_checks()) == set(branches)
+    for branch in ("reward", "grpo_learned"):  # GRPO is held to the same gate as the rest
+        write_json(f"outputs/learning/{branch}/resume-check.json", {"status": "FAIL"})
+        with pytest.raises(ReproError, match=f"{branch}/resume-check.json says FAIL"):
+            evaluate.resume_checks()
+        write_json(f"outputs/learning/{branch}/resume-check.json", {"status": "PASS"})
 
 
 def test_generation_refuses_when_labels_are_visible(in_tmp):
@@ -84,7 +87,6 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
         "grpo_training": {"verifier": {
             "steps": 3, "first_windows": {"reward": 0.25, "sample/staleness_mean": 1.0},
             "last_windows": {"reward": 0.75, "sample/staleness_mean": None}}},
-        "stage_timings": {"prepare": {"wall_seconds": 1.0, "peak_rss_mb": 100.0}},
     }
     text = evaluate.markdown(results)
     assert "predicted simulated preference" in text and "no human study" in text

@@ -28,6 +28,7 @@ import torch
 from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from reprorl.grpo.rollout import epoch_order
+from reprorl.grpo.metrics import reproducible
 
 BASE = {"embedded_server": True, "embedded_server_max_model_len": 128,
         "max_completion_length": 8, "num_generations": 4, "per_device_train_batch_size": 8,
@@ -163,6 +164,17 @@ def assert_stopped(output_dir: Path, trainer) -> None:
     port = int((output_dir / "server.port").read_text())
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def checkpoint_bytes(checkpoint: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(checkpoint)): p.read_bytes()
+            for p in sorted(checkpoint.rglob("*")) if p.is_file()}
+
+
+def reproducible_windows(lines: list[dict]) -> list[dict]:
+    """The training windows, less what timing decides (`metrics.reproducible`)."""
+    return [{k: v for k, v in line.items() if reproducible(k)} for line in lines
+            if "loss" in line]
 
 
 def adapter_state(trainer) -> dict[str, torch.Tensor]:
@@ -667,12 +679,13 @@ def test_a_fixed_schedule_replays_bit_for_bit(tiny_model, tmp_path):
     64 rollouts in flight."""
     rows = make_rows(8)
 
-    def run(name, reward=token_sum_reward, resume=False, **overrides):
+    def run(name, reward=token_sum_reward, resume=False, interrupt=None, **overrides):
         args = make_args(tmp_path, name, max_staleness=1, **{
             "max_steps": 4, "schedule_lag": 1, **overrides})
         trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=reward, args=args,
                                    train_dataset=rows, log=lambda m: None)
-        trainer.train(resume_from_checkpoint=resume or None)
+        torch.seed()  # each run starts from another RNG, as a fresh process would
+        trainer.train(resume_from_checkpoint=resume or None, interrupt_after_step=interrupt)
         return adapter_state(trainer), read_metrics(Path(args.output_dir))
 
     first, lines = run("first")
@@ -682,9 +695,19 @@ def test_a_fixed_schedule_replays_bit_for_bit(tiny_model, tmp_path):
                     embedded_server_threads=2)
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
-    run("resumed", max_steps=2)
-    resumed, _ = run("resumed", resume=True)
+    _, interrupted = run("resumed", interrupt=2)
+    assert [line["step"] for line in interrupted if "loss" in line] == [1, 2]
+    resumed, after = run("resumed", resume=True)
     assert all(torch.equal(first[k], resumed[k]) for k in first)
+    # the final checkpoint byte for byte (adapter, optimizer, RNG, cursor), and every window's
+    # reproducible values: the resumed run is the first run, timings apart
+    assert checkpoint_bytes(tmp_path / "first/checkpoint-4") == checkpoint_bytes(
+        tmp_path / "resumed/checkpoint-4")
+    for resumed_window, window in zip(reproducible_windows(after), reproducible_windows(lines),
+                                      strict=True):
+        assert resumed_window == window, {k: (resumed_window.get(k), window.get(k))
+                                          for k in resumed_window.keys() | window.keys()
+                                          if resumed_window.get(k) != window.get(k)}
     synchronous, lines = run("synchronous", schedule_lag=None, synchronous=True)
     assert all(line["sample/staleness_max"] == 0 for line in lines if "perf/step_s" in line)
     one_group, _ = run("one_group", delayed_token_sum_reward, schedule_lag=0,

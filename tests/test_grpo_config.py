@@ -32,7 +32,8 @@ PIPELINE_DIFFERENCES = {
     "save_steps": "a pipeline run is a few hundred steps at most, so 500 would checkpoint only "
                   "at its end",
     "seed": "the project's seed, 49, as every stage's",
-    "schedule_lag": "the pipeline's runs must replay bit for bit, as every other stage's",
+    "schedule_lag": "the pipeline's GRPO runs are resumable branches whose resume checks must "
+                    "pass, as every other stage's",
     # grpo_run.py maps null to embedded_server=True
     "vllm_server_base_url": "a pipeline run needs no server started beforehand",
 }

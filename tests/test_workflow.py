@@ -17,14 +17,15 @@ from conftest import copy_workflow, reprorl, snakemake
 
 from reprorl import config as configuration
 from reprorl.manifest import read_json, sha256_file, write_json
+from reprorl.stages import STAGES
 
 pytestmark = pytest.mark.e2e
 MODES = ("interrupt", "continuous", "resume", "resume_check")
 WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward") for mode in MODES}
 WARMSTART |= {"sft_validation"}
 PPO = {f"ppo_{mode}" for mode in MODES} | {"ppo_report"}
-GRPO = {f"grpo_{run}" for run in ("verifier", "learned")}
-GRPO |= {f"generate_{rule}" for rule in GRPO}
+GRPO = {f"grpo_{run}_{mode}" for run in ("verifier", "learned") for mode in MODES}
+GRPO |= {f"generate_grpo_{run}" for run in ("verifier", "learned")}
 # what any change to a policy re-runs downstream of it
 JUDGING = {"generate_sft", "generate_ppo", "reward_test", "evaluate", "exercise", "report"}
 
@@ -51,9 +52,10 @@ def test_full_run_outputs(workflow):
     audit = read_json(workflow / "outputs/data-audit.json")
     assert audit["pairs_by_split"] == {"train": 840, "validation": 180, "test": 180}
     assert (workflow / "assets/model/model.safetensors").is_file()
-    for check in ("sft", "reward", "ppo"):
+    for check in ("sft", "reward", "ppo", "grpo_verifier", "grpo_learned"):
         assert read_json(workflow / f"outputs/learning/{check}/resume-check.json")["status"] == (
             "PASS")
+    assert not list((workflow / "assets/grpo").glob("*"))  # the engine's scratch folders go
     for stage in ("prepare", "base_model", *sorted(WARMSTART | PPO | GRPO | JUDGING)):
         manifest = read_json(workflow / f"outputs/manifests/{stage}.json")
         assert manifest["hashed"]["code_sha256"] and manifest["run"]["wall_seconds"] >= 0
@@ -217,8 +219,8 @@ def test_code_edit_reruns_exactly_the_dependents(workflow, module, expected):
     [
         ("ppo_continuous", {"ppo_continuous", "ppo_resume_check", "ppo_report", "evaluate",
                             "exercise", "report"}),
-        ("grpo_verifier", {"grpo_verifier", "generate_grpo_verifier", "evaluate", "exercise",
-                           "report"}),
+        ("grpo_verifier_resume", {"grpo_verifier_resume", "grpo_verifier_resume_check",
+                                  "generate_grpo_verifier", "evaluate", "exercise", "report"}),
         ("report", {"report"}),
     ],
 )
@@ -233,12 +235,19 @@ def test_config_edit_reruns_only_its_stage(workflow):
     assert changed == set()
 
 
-def test_rebuild_gives_identical_hashes(workflow, tmp_path):
-    first = read_json(workflow / "outputs/manifests/base_model.json")["hashed"]
+def test_a_second_clean_run_gives_identical_manifests(workflow, tmp_path):
+    """The whole default DAG once more, from an empty folder elsewhere: every stage manifest's
+    hashed section (output and input hashes, summaries, code, config, libraries) equals the
+    first run's; only the run sections (timings, host) differ. Async GRPO included."""
     again = copy_workflow(tmp_path / "again")
-    run(again, "base_model")
-    second = read_json(again / "outputs/manifests/base_model.json")["hashed"]
-    assert first["outputs"] == second["outputs"]
+    run(again)
+    second = {p.name: read_json(p)["hashed"] for p in (again / "outputs/manifests").glob("*")}
+    assert len(second) == len(STAGES) - 1, sorted(second)  # every stage but the audit
+    for name, hashed in sorted(second.items()):
+        first = read_json(workflow / "outputs/manifests" / name)["hashed"]
+        differing = sorted(k for k in first.keys() | hashed.keys()
+                           if first.get(k) != hashed.get(k))
+        assert not differing, f"{name}: {differing} differ between two clean runs"
 
 
 def test_tampered_corpus_is_named_and_kept(workflow):
@@ -361,6 +370,13 @@ def _ci_sft_lr_x2(workdir: Path) -> dict:
     return config
 
 
+def _ci_grpo_lr_x2(workdir: Path) -> dict:
+    """The CI profile with another GRPO learning rate than its interrupt state was made with."""
+    config = configuration.load(workdir / "configs/ci.yaml")
+    config["grpo"]["learning_rate"] *= 2
+    return config
+
+
 def _ci_short_context(workdir: Path) -> dict:
     """The CI profile with a context too short for a full-length prompt and response."""
     config = configuration.load(workdir / "configs/ci.yaml")
@@ -369,7 +385,7 @@ def _ci_short_context(workdir: Path) -> dict:
 
 
 CONFIG_EDITS = {"QWEN_ON_TINY": _qwen_on_tiny, "CI_SFT_LR_X2": _ci_sft_lr_x2,
-                "CI_SHORT_CONTEXT": _ci_short_context}
+                "CI_GRPO_LR_X2": _ci_grpo_lr_x2, "CI_SHORT_CONTEXT": _ci_short_context}
 
 BAD_INPUTS = {
     # case: (damages [(kind, path)], command, expected message)
@@ -395,8 +411,12 @@ BAD_INPUTS = {
         "cannot be resumed by this run (identity['code_sha256']"),
     "overwrite a preserved checkpoint": ([], ["sft_interrupt", "--config", "configs/ci.yaml"],
                                          "checkpoints are preserved"),
-    "overwrite a preserved GRPO policy": ([], ["grpo_learned", "--config", "configs/ci.yaml"],
-                                          "checkpoints are preserved"),
+    "overwrite a preserved GRPO policy": ([], ["grpo_learned_resume", "--config",
+                                               "configs/ci.yaml"], "checkpoints are preserved"),
+    "GRPO resume from another config": (
+        [("aside", "assets/checkpoints/grpo_learned-resume.pt.gz")],
+        ["grpo_learned_resume", "--config-json", "CI_GRPO_LR_X2"],
+        "cannot be resumed by this run (identity['grpo']['learning_rate']"),
     "labels visible to generation": ([], ["generate_ppo", "--config", "configs/ci.yaml"],
                                      "generation can see"),
     "probes visible to a learning stage": (
@@ -405,8 +425,9 @@ BAD_INPUTS = {
         "holds 1 held-out (test or probe) row(s)"),
     "GRPO from a corrupted SFT checkpoint": (
         [("flip", "assets/checkpoints/sft-final.safetensors")],
-        ["grpo_verifier", "--config", "configs/ci.yaml"], "does not match the sha256"),
-    "GRPO with an invalid group size": ([], ["grpo_learned", "--config-json",
+        ["grpo_verifier_continuous", "--config", "configs/ci.yaml"],
+        "does not match the sha256"),
+    "GRPO with an invalid group size": ([], ["grpo_learned_interrupt", "--config-json",
                                                '{"grpo": {"num_generations": 1}}'],
                                         "grpo.num_generations"),
     "YAML syntax error in a profile": (

@@ -17,6 +17,7 @@ success, unsupported certainty is a rate over recognized answers only.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -181,8 +182,8 @@ def resume_checks() -> dict:
 def stage_timings() -> dict:
     """Wall seconds and peak memory of every stage upstream of evaluation, from the manifests'
     run sections (a fixed list, so stale manifests of other stages never leak in). They vary
-    run to run, so results.json is hashed for integrity, not compared across runs; every
-    learned artifact is."""
+    run to run, so they go to the evaluate manifest's run section and its log, never into
+    results.json: two runs of the pipeline give the same results file, byte for byte."""
     keys = ("wall_seconds", "peak_rss_mb")
     return {stage: {k: read_json(layout.manifest(stage))["run"].get(k) for k in keys}
             for stage in UPSTREAM_STAGES}
@@ -202,9 +203,10 @@ def evaluate(config: dict, policies: list[str]) -> dict:
                            if k != "rows"},
         "ppo_sampled_responses": {k: v for k, v in read_input(layout.PPO_SAMPLED).items()
                                   if k != "iterations"},
-        "grpo_training": {run: read_input(layout.grpo_report(run)) for run in GRPO_RUNS},
+        "grpo_training": {run: {k: v for k, v in read_input(
+            layout.learning_report(f"grpo_{run}", "continuous")).items() if k != "history"}
+            for run in GRPO_RUNS},
         "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
-        "stage_timings": stage_timings(),
     }
     validate_results(results)
     write_json(layout.RESULTS, results)
@@ -284,10 +286,6 @@ def markdown(results: dict) -> str:
         lines.append(f"| {run} | {summary['steps']} | {pair('reward')} | {pair('reward_kept')} "
                      f"| {pair('frac_reward_zero_std')} | {pair('sample/staleness_mean')} | "
                      f"{pair('sample/dropped_stale_count')} |")
-    lines += ["", "## Stage timings", "", "| stage | wall seconds | peak RSS (MB) |",
-              "|---|---|---|"]
-    for stage, t in results["stage_timings"].items():
-        lines.append(f"| {stage} | {t['wall_seconds']} | {t['peak_rss_mb']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,6 +362,11 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         # not recorded as inputs: re-running an upstream stage to identical outputs must not
         # make the audit call the results stale
         summary = evaluate(config, list(POLICIES))
+        timings = stage_timings()
+        log("stage timings (wall seconds, peak RSS MB): " + json.dumps(timings))
+        run.finish(summary=summary, run_info={"stage_timings": timings})
+        log(str(summary))
+        return summary
     run.finish(summary=summary)
     log(str(summary))
     return summary

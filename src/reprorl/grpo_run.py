@@ -6,27 +6,42 @@ Both runs start from the SFT actor (its adapters keep training) and differ only 
   through the `verifier` corpus scope: this run learns from the task's true criterion;
 - `grpo_learned`: the frozen Bradley-Terry reward model's score ("predicted simulated
   preference"), minus `cut_penalty` for a response cut without EOS, as in PPO.
-The embedded generation server samples; the trainer and the worker run beside it. With the
-profile's `grpo.schedule_lag` (default 1) the schedule is fixed and the server batch invariant,
-so a run's bytes do not depend on timing; with `schedule_lag: null` (free-running) they do.
+The embedded generation server samples; the trainer and the worker run beside it. On the
+fixed schedule (`grpo.schedule_lag`, default 1) with the batch-invariant server a run's bytes
+do not depend on timing, so each run is a resumable branch like SFT's (`resumable.py`):
+`interrupt` stops after `interrupt_step` optimizer steps and saves, `resume` rebuilds that
+checkpoint in a fresh process, finishes and exports the policy, `continuous` runs straight
+through, and `grpo_<run>_resume_check` compares the two final states bit for bit.
+
+A state is the engine's final checkpoint, decoded (adapter, AdamW state, torch RNG, counters,
+rollout cursor and weight version), its files as bytes (a resume starts from exactly what the
+engine wrote, older served versions included) and the history: every metrics window, with the
+keys that do not depend on timing (`metrics.reproducible`). Timings stay out of every output:
+the whole windows go to the stage's `logs/<stage>-metrics.jsonl`, wall time to its manifest.
 The run's held-out evaluation is the generate/evaluate rules, shared with SFT and PPO.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
+from pathlib import Path
 
 import torch
 
 from . import corpus, layout, roles
+from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final, save_final, verified_final
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from .manifest import atomic_write_bytes, peak_rss_mb, refuse_to_overwrite, write_json
+from .grpo.metrics import reproducible
+from .manifest import (atomic_write_bytes, peak_rss_mb, read_json, refuse_to_overwrite,
+                       write_json)
 from .rubric import evaluate_response
+from .state import first_difference, load_state, save_state
 
 
 class RubricVerifier:
@@ -88,21 +103,66 @@ def dataset(run: str) -> list[dict]:
     return rows
 
 
-def train(config: dict, run: str, log=print) -> dict:
+def interrupt_step(args: AsyncGRPOConfig, rows: int) -> int:
+    """Where `interrupt` stops: half the run's steps (a fixed schedule's blocks), rounded down
+    to whole metrics windows so the resumed run's windows are the continuous run's; one window
+    at least."""
+    steps = args.max_steps if args.max_steps > 0 else math.ceil(
+        math.ceil(args.num_train_epochs * rows) / args.groups_per_step)
+    window = args.steps_of("logging_steps")
+    return max(window, steps // 2 // window * window)
+
+
+def history(metrics: Path) -> list[dict]:
+    """The training windows of an engine's metrics.jsonl, reproducible keys only."""
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return [{k: v for k, v in record.items() if reproducible(k)}
+            for record in map(json.loads, lines) if record.get("loss") is not None]
+
+
+def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
+    """A branch state (as `resumable` compares it) from the engine's checkpoint folder."""
+    from safetensors.torch import load_file
+
+    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
+    return {
+        "identity": identity,
+        "learned": {"actor": load_file(checkpoint / "adapter/adapter_model.safetensors")},
+        "optimizers": {"actor": saved["optimizer"]},
+        "rng": {"torch": saved["torch_rng"]},
+        "updates": saved["global_step"],
+        "progress": {"rollout_state": read_json(checkpoint / "rollout_state.json"),
+                     "num_tokens": saved["num_tokens"], "loss_sum": saved["loss_sum"],
+                     "history": windows},
+        "checkpoint": {str(p.relative_to(checkpoint)): torch.frombuffer(
+            bytearray(p.read_bytes()), dtype=torch.uint8) for p in files},
+    }
+
+
+def restore_checkpoint(state: dict, output_dir: Path) -> Path:
+    """The interrupt's checkpoint folder, written back byte for byte under `output_dir`."""
+    checkpoint = output_dir / f"checkpoint-{state['updates']}"
+    for name, data in state["checkpoint"].items():
+        atomic_write_bytes(checkpoint / name, data.numpy().tobytes())
+    return checkpoint
+
+
+def train(config: dict, run: str, mode: str, log=print) -> dict:
     settings, limits = dict(config["grpo"]), config["limits"]
     cut_penalty, server_url = settings.pop("cut_penalty"), settings.pop("vllm_server_base_url")
-    output_dir = layout.grpo_output_dir(run)
+    branch = f"grpo_{run}"
+    stage_name = f"{branch}_{mode}"
+    output_dir = layout.grpo_output_dir(branch, mode)
     tokenizer = load_tokenizer(config["model"]["path"])
     rows = dataset(run)
     reward = (RubricVerifier(tokenizer.eos_token_id) if run == "verifier"
               else LearnedReward(config, cut_penalty))
-    if run == "learned":  # the worker loads it; checked here so a bad file fails first
-        verified_final("reward")
+    # the worker loads the reward model; checked here so a bad file fails first
+    reward_sha256 = verified_final("reward")[1]["sha256"] if run == "learned" else None
     actor, sft_meta = load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
-    policy = f"grpo_{run}"
-    for path in (*layout.final_files(policy), layout.peft(policy)):  # inputs sound: outputs
-        refuse_to_overwrite(path)
+    refuse_to_overwrite(layout.state(branch, mode))  # inputs are sound: checkpoints are kept
     shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
@@ -111,28 +171,43 @@ def train(config: dict, run: str, log=print) -> dict:
         dtype=config["model"]["dtype"],
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
+    stop = interrupt_step(args, len(rows))
+    identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
+                "reward_sha256": reward_sha256, "code_sha256": code_hash(f"{branch}_continuous"),
+                "initial_learned": initial}
+    windows, resume_from = [], None
+    if mode == "resume":
+        interrupted = load_state(layout.state(branch, "interrupt"))
+        difference = first_difference(interrupted["identity"], identity, "identity")
+        if difference:
+            raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
+                             f" rerun {branch}_interrupt with the same config, data and code")
+        windows = interrupted["progress"]["history"]
+        resume_from = restore_checkpoint(interrupted, output_dir)
     # the rule's cores are shared: the embedded server takes its threads, the trainer the rest
     # (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is slower, 0.92x)
     if args.embedded_server:
         torch.set_num_threads(max(1, torch.get_num_threads() - args.embedded_server_threads))
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)
     started = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=resume_from,
+                           interrupt_after_step=stop if mode == "interrupt" else None)
     seconds = time.perf_counter() - started
-    if result.global_step and roles.learned_identity(actor) == initial:
+    if mode != "resume" and result.global_step and roles.learned_identity(actor) == initial:
         raise ReproError(f"GRPO ({run}) took {result.global_step} steps but left the actor "
                          "unchanged")
-    identity = {"run": run, "sft": sft_meta["sha256"], "grpo": settings}
-    save_final(actor, policy, identity, config)
-    shutil.rmtree(output_dir / ".vllm_lora", ignore_errors=True)  # a serving cache only
-    (output_dir / "server.port").unlink(missing_ok=True)
-    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    # windows of training steps only (the closing flush holds a few worker records)
-    records = [r for r in map(json.loads, lines) if r.get("loss") is not None]
+    metrics = output_dir / "metrics.jsonl"
+    windows = windows + history(metrics)
+    storage = save_state(layout.state(branch, mode), engine_state(
+        identity, output_dir / f"checkpoint-{result.global_step}", windows))
+    atomic_write_bytes(layout.metrics_log(stage_name),
+                       metrics.read_bytes() if metrics.is_file() else b"")
+    if mode == "resume":
+        save_final(actor, branch, identity, config)
+    shutil.rmtree(output_dir, ignore_errors=True)  # its final checkpoint is in the state
     keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
             "sample/staleness_mean", "sample/dropped_stale_count", "completions/mean_length",
-            "sampling/importance_sampling_ratio/mean", "sampling/masked_mean",
-            "perf/rollout_wait_s", "rollout/backpressure_s")
+            "sampling/importance_sampling_ratio/mean", "sampling/masked_mean")
 
     def mean_of(part: list[dict]) -> dict:
         out = {}
@@ -141,23 +216,26 @@ def train(config: dict, run: str, log=print) -> dict:
             out[key] = sum(values) / len(values) if values else None
         return out
 
-    tenth = max(2, len(records) // 10)  # first and last tenth of the windows, two at least
-    summary = {
-        "run": run, "reward_function": type(reward).__name__, "steps": result.global_step,
-        "train_loss": result.training_loss, "seconds": seconds,
-        "first_windows": mean_of(records[:tenth]), "last_windows": mean_of(records[-tenth:]),
-        "windows": len(records), "settings": settings,
-        "note": "sampled at temperature 1 during training; an async run is not bitwise "
-                "reproducible (which version served which request depends on timing)",
+    tenth = max(2, len(windows) // 10)  # first and last tenth of the windows, two at least
+    report = {
+        "run": run, "mode": mode, "reward_function": type(reward).__name__,
+        "steps": result.global_step, "interrupt_step": stop, "train_loss": result.training_loss,
+        "first_windows": mean_of(windows[:tenth]), "last_windows": mean_of(windows[-tenth:]),
+        "windows": len(windows), "history": windows, "settings": settings,
+        "checkpoint": storage,
+        "note": "sampled at temperature 1 during training; on the fixed schedule the run "
+                "replays bit for bit (timings, in logs/ and the manifest, excepted)",
     }
-    write_json(layout.grpo_report(run), summary)
-    atomic_write_bytes(layout.grpo_metrics(run), (output_dir / "metrics.jsonl").read_bytes())
-    return summary
+    # costs vary run to run: they go to the manifest's run section, not into this file
+    write_json(layout.learning_report(branch, mode), report)
+    return {**report, "seconds": seconds}
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
-    summary = train(config, name.removeprefix("grpo_"), log)
+    branch_run, mode = name.removeprefix("grpo_").rsplit("_", 1)
+    summary = train(config, branch_run, mode, log)
     run.finish(
-        summary={k: summary[k] for k in ("run", "steps", "first_windows", "last_windows")},
+        summary={k: summary[k] for k in ("run", "mode", "steps", "first_windows",
+                                         "last_windows")},
         run_info={"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()})
-    return {k: summary[k] for k in ("run", "steps", "seconds", "last_windows")}
+    return {k: summary[k] for k in ("run", "mode", "steps", "seconds", "last_windows")}

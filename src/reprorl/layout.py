@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from string import Formatter
 
-from .stages import EXPORTS, MODES, POLICIES
+from .stages import EXPORTS, MODES, POLICIES, resumable
 
 # folders
 CORPUS = Path("data/generated")
 CHECKPOINTS = Path("assets/checkpoints")
-GRPO_RUNS = Path("assets/grpo")  # the GRPO engine's output_dir per run (checkpoint-*/, ...)
+GRPO_SCRATCH = Path("assets/grpo")  # the GRPO engine's scratch output_dir (per run, mode)
 OUTPUTS = Path("outputs")
 MANIFESTS = OUTPUTS / "manifests"
 LEARNING = OUTPUTS / "learning"
@@ -52,18 +52,20 @@ EXERCISE = OUTPUTS / "exercise/reward-shortcuts.json"
 REPORT_PAGE = REPORT / "report.html"
 FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "probes")
 # what a generation job must not see: labels, learning outputs and judgements
-HIDDEN_FROM_GENERATION = (CORPUS / "labels", CORPUS_MANIFEST, LEARNING, GRPO_RUNS,
+HIDDEN_FROM_GENERATION = (CORPUS / "labels", CORPUS_MANIFEST, LEARNING, GRPO_SCRATCH,
                           REWARD_TEST, RESULTS, EXERCISE.parent)
 # output names that are folders (the rules declare them with directory())
-DIRECTORIES = frozenset({"model", "rollouts", "peft", "run_dir"})
+DIRECTORIES = frozenset({"model", "rollouts", "peft"})
 
 
 # files per stage, training branch, run or policy: call with the wildcards' values
 # every stage
 manifest = Pattern(MANIFESTS / "{stage}.json")
 log = Pattern(LOGS / "{stage}.log")
+# a GRPO stage's metrics windows with their timings (the learning report keeps the rest)
+metrics_log = Pattern(LOGS / "{stage}-metrics.jsonl")
 benchmark = Pattern(BENCHMARKS / "{stage}.tsv")
-# the resumable training branches (sft, reward, ppo) in their modes
+# the resumable training branches (sft, reward, ppo, grpo_<run>) in their modes
 state = Pattern(CHECKPOINTS / "{branch}-{mode}.pt.gz")
 learning_report = Pattern(LEARNING / "{branch}/{mode}.json")
 resume_check = Pattern(LEARNING / "{branch}/resume-check.json")
@@ -75,14 +77,20 @@ final_manifest = Pattern(CHECKPOINTS / "{name}-final.json")
 peft = Pattern(CHECKPOINTS / "{name}-peft")
 
 
+def logs(stage: str) -> dict[str, Path]:
+    """A rule's log files by name: the stage's output, and a GRPO run's timed metrics."""
+    branch, mode = resumable(stage) or ("", "")
+    timed = branch.startswith("grpo_") and mode in MODES
+    return {"main": log(stage), **({"metrics": metrics_log(stage)} if timed else {})}
+
+
 def final_files(name: str) -> list[Path]:
     return [final(name), final_manifest(name)]
 
 
-# the async GRPO runs (verifier, learned); the engine's own output_dir sits under GRPO_RUNS
-grpo_report = Pattern(LEARNING / "grpo/{run}.json")
-grpo_metrics = Pattern(LEARNING / "grpo/{run}-metrics.jsonl")
-grpo_output_dir = Pattern(GRPO_RUNS / "{run}")
+# the async GRPO engine's output_dir (checkpoint-*/, metrics.jsonl), a scratch folder: the
+# stage keeps its final checkpoint in the branch's state and removes it
+grpo_output_dir = Pattern(GRPO_SCRATCH / "{branch}-{mode}.tmp")
 # judging
 generations = Pattern(INFERENCE / "{policy}.json")
 figure = Pattern(REPORT / "{name}.png")
@@ -103,7 +111,7 @@ def _exports(names: tuple[str, ...]) -> dict[str, Path]:
 def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
     """Every file (or folder, see DIRECTORIES) `stage` writes, by the names rules use."""
     files: dict[str, Path | list[Path]] = {}
-    branch, _, mode = stage.partition("_")
+    branch, mode = resumable(stage) or stage.partition("_")[::2]
     if stage == "prepare":
         files["audit"] = DATA_AUDIT  # the corpus folder itself is preserved, not declared
     elif stage == "base_model":
@@ -122,10 +130,6 @@ def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
         files["report"] = SFT_VALIDATION
     elif stage == "ppo_report":
         files["report"] = PPO_SAMPLED
-    elif branch == "grpo":
-        files |= _exports((stage,)) | {"report": grpo_report(mode),
-                                       "metrics": grpo_metrics(mode),
-                                       "run_dir": grpo_output_dir(mode)}
     elif stage == "generation_inputs":
         files["pages"] = GENERATION_PAGES
     elif branch == "generate":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from pathlib import Path
 
 from . import layout
@@ -27,7 +26,7 @@ INPUTS = {
     "results": layout.RESULTS,
     "exercise": layout.EXERCISE,
     "table": layout.RESULTS_TABLE,
-    **{f"grpo_{run}": layout.grpo_metrics(run) for run in GRPO_RUNS},
+    **{f"grpo_{run}": layout.learning_report(f"grpo_{run}", "continuous") for run in GRPO_RUNS},
 }
 
 
@@ -104,8 +103,7 @@ def plot_ppo(plt, data: dict):
 def plot_grpo(plt, data: dict):
     figure, axes = plt.subplots(1, 2, figsize=(10, 3.2))
     for axis, run in zip(axes, ("verifier", "learned")):
-        lines = INPUTS[f"grpo_{run}"].read_text().splitlines()
-        windows = [w for w in map(json.loads, lines) if w.get("loss") is not None]
+        windows = data[f"grpo_{run}"]["history"]
         steps = [w["step"] for w in windows]
         for key in ("reward", "reward_kept"):
             axis.plot(steps, [w.get(key) for w in windows], label=key)
@@ -164,7 +162,7 @@ def figures() -> list[Path]:
     import matplotlib.pyplot as plt
 
     record_read(*INPUTS.values())
-    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}  # not JSONL
+    data = {k: read_json(p) for k, p in INPUTS.items() if p.suffix == ".json"}
     return [_save(PLOTS[name](plt, data), name) for name in layout.FIGURES]
 
 

@@ -20,9 +20,10 @@ class Stage(NamedTuple):
 # saves, `resume` finishes from that state in a fresh process, `continuous` runs straight
 # through; `<branch>_resume_check` then compares the resume and continuous final states.
 MODES = ("interrupt", "continuous", "resume")
-# the final exports of each resumable branch (the first is the branch's own policy or model)
-EXPORTS = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo", "critic")}
 GRPO_RUNS = ("verifier", "learned")
+# the final exports of each resumable branch (the first is the branch's own policy or model)
+EXPORTS = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo", "critic"),
+           **{f"grpo_{run}": (f"grpo_{run}",) for run in GRPO_RUNS}}
 # every policy judged on the held-out rows, each the name of its final actor export
 POLICIES = ("sft", "ppo", *(f"grpo_{run}" for run in GRPO_RUNS))
 
@@ -36,8 +37,8 @@ STAGES: dict[str, Stage] = {
     **{f"ppo_{mode}": Stage("ppo", ("model", "limits", "ppo")) for mode in MODES},
     "ppo_report": Stage("ppo", ()),
     # the trainer, the rollout worker and the embedded server share the two cores
-    **{f"grpo_{run}": Stage("grpo_run", ("model", "limits", "grpo"), threads=2)
-       for run in GRPO_RUNS},
+    **{f"grpo_{run}_{mode}": Stage("grpo_run", ("model", "limits", "grpo"), threads=2)
+       for run in GRPO_RUNS for mode in MODES},
     "generation_inputs": Stage("generate", ()),
     **{f"generate_{policy}": Stage("generate", ("model", "limits")) for policy in POLICIES},
     "reward_test": Stage("evaluate", ("model", "limits")),
@@ -46,6 +47,15 @@ STAGES: dict[str, Stage] = {
     "report": Stage("report", ()),
     "audit": Stage("manifest", ()),  # run by `reprorl audit`, hashed like any stage
 }
+
+
+def resumable(stage: str) -> tuple[str, str] | None:
+    """(branch, mode) of a resumable branch's stage (mode `resume_check` too), else None."""
+    for mode in (*MODES, "resume_check"):
+        branch = stage.removesuffix(f"_{mode}")
+        if branch != stage and branch in EXPORTS:
+            return branch, mode
+    return None
 
 
 def threads(stage: str, config: dict) -> int:

@@ -29,6 +29,13 @@ def rule(name: str) -> str:
     return "mean"
 
 
+def reproducible(name: str) -> bool:
+    """A metric that is a function of the trained samples alone, so a fixed schedule gives it
+    the same value in every run: not a time, a rate, nor the worker's or server's own records
+    (`rollout/...`), which depend on what ran when."""
+    return not (name.startswith(("perf/", "rollout/")) or name.endswith("_s"))
+
+
 class MetricsWindow:
     def __init__(self):
         self.values: dict[str, list[float]] = defaultdict(list)

@@ -125,11 +125,15 @@ class Sample:
 
 @dataclass
 class GroupResult:
-    """One queue item: a position's samples, or why it produced none."""
+    """One queue item: a position's samples, or why it produced none, and the metric records
+    of its content (rewards, lengths). Those travel with the group, not on the metrics queue,
+    so the trainer enters them when it consumes the position: a fixed schedule's windows then
+    hold the same values whatever the timing."""
 
     position: int
     samples: list[Sample]
     reason: str = "trained"  # or "filtered", "zero_std"
+    records: list = field(default_factory=list)  # ("value", name, v), as MetricsWindow.merge
 
 
 def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int]]:
@@ -582,28 +586,36 @@ class AsyncRolloutLoop:
         totals = np.where(scored, table, 0.0).sum(0)
         group.rewards = np.where(scored.any(0), totals, np.nan)
 
-    def _record_completions(self, group: RolloutGroup) -> None:
+    @staticmethod
+    def content_records(group: RolloutGroup, dropped: bool) -> list:
+        """The group's lengths and rewards, as records that travel with its GroupResult."""
+        records = []
+
+        def add(name: str, value: float) -> None:
+            records.append(("value", name, float(value)))
+
         for i, ids in enumerate(group.completions_ids):
             for stat in ("mean", "min", "max"):
-                self.record(f"completions/{stat}_length", len(ids))
+                add(f"completions/{stat}_length", len(ids))
                 if not group.truncated[i]:
-                    self.record(f"completions/{stat}_terminated_length", len(ids))
-            self.record("completions/clipped_ratio", float(group.truncated[i]))
-            self.record("completions/duplicate_frac", float(ids in group.completions_ids[:i]))
+                    add(f"completions/{stat}_terminated_length", len(ids))
+            add("completions/clipped_ratio", float(group.truncated[i]))
+            add("completions/duplicate_frac", float(ids in group.completions_ids[:i]))
             if not math.isnan(group.rewards[i]):
-                self.record("reward", group.rewards[i])
+                add("reward", group.rewards[i])
+                if dropped:
+                    add("reward_dropped", group.rewards[i])
+        add("frac_reward_zero_std", float(dropped))
+        return records
 
     def _emit(self, group: RolloutGroup) -> None:
         """Queue the group's samples (or, without signal, a zero_std marker)."""
         rewards = group.rewards
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
-        self._record_completions(group)
         dropped = group_is_dropped(rewards)
-        self.record("frac_reward_zero_std", float(dropped))
+        records = self.content_records(group, dropped)
         if dropped:
-            for value in rewards[~np.isnan(rewards)]:
-                self.record("reward_dropped", value)
-            self._put(GroupResult(group.position, [], "zero_std"))
+            self._put(GroupResult(group.position, [], "zero_std", records))
             return
         scored = rewards[~np.isnan(rewards)]
         group_std = float(scored.std(ddof=1))
@@ -627,7 +639,7 @@ class AsyncRolloutLoop:
             self.queued_tokens.value += sum(s.tokens for s in samples)
         with self.queued_samples.get_lock():
             self.queued_samples.value += len(samples)
-        self._put(GroupResult(group.position, samples))
+        self._put(GroupResult(group.position, samples, records=records))
 
 
 def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None,

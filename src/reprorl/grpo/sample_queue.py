@@ -7,7 +7,8 @@ that does not fit the micro-batch being filled is carried over to the next one, 
 staleness again then (a step and a weight sync may have passed). Every taken or dropped sample
 leaves the shared queued-token and queued-sample counters at once, not after the step: a step
 that held the whole token allowance would otherwise wait for a group the worker may not start.
-Every arrival, training and drop is entered in the `PositionLedger`. A fixed schedule takes a
+Every arrival, training and drop is entered in the `PositionLedger`, and a group's content
+metrics (its `records`) in the window when its samples are taken. A fixed schedule takes a
 whole block of positions at a time instead, in position order (`next_block`).
 
 Watchdog: when `stall_positions` prompt positions in a row (an epoch's worth) arrive without a
@@ -49,7 +50,7 @@ class SampleQueue:
         self.log = log
         self.pending: collections.deque[Sample] = collections.deque()
         self.carried: Sample | None = None
-        self.parked: dict[int, list[Sample]] = {}  # fixed schedule: position -> its samples
+        self.parked: dict[int, GroupResult] = {}  # fixed schedule: groups not yet due
         self.received = 0  # GroupResults taken off the queue
         self.exhausted = False  # epoch mode: no position is left to arrive
         self.wait_s = 0.0  # time spent waiting for groups since take_wait_s()
@@ -83,10 +84,14 @@ class SampleQueue:
             group = self._arrival()
             if group is None:  # the run's last positions are all here
                 break
-            self.parked[group.position] = group.samples
+            self.parked[group.position] = group
         batches: list[list[Sample]] = [[]]
         for position in range(first, last):
-            for sample in self.parked.pop(position, []):
+            group = self.parked.pop(position, None)
+            if group is None:  # consumed before a resume
+                continue
+            self.window.merge(group.records)  # in position order: the window is reproducible
+            for sample in group.samples:
                 if self._dropped_oversize(sample, batcher):
                     continue
                 current = batches[-1]
@@ -147,6 +152,7 @@ class SampleQueue:
             group = self._arrival()
             if group is None:
                 return None
+            self.window.merge(group.records)
             self.pending.extend(group.samples)
 
     def _next_group(self) -> GroupResult | None:

@@ -172,6 +172,7 @@ class TrainingRun:
     global_step: int = 0
     num_tokens: int = 0  # real (unpadded) tokens trained on so far
     loss_sum: float = 0.0
+    interrupt_after_step: int | None = None  # train(interrupt_after_step=...)
     window: MetricsWindow = field(default_factory=MetricsWindow)  # since the last log line
     weights: AdapterVersions | None = None
     batcher: PaddedBatcher | None = None
@@ -278,6 +279,9 @@ class AsyncGRPOTrainer:
         save_every = args.steps_of("save_steps") if args.save_strategy == "steps" else 0
         end = math.ceil(args.num_train_epochs * len(self.rows)) if args.max_steps <= 0 else None
         ledger, version, counters, checkpoint = PositionLedger(end=end), 0, {}, None
+        # as TrainingArguments' seed does: torch's start-up RNG differs per process, and the
+        # checkpoint keeps this one (a resume restores it below)
+        torch.manual_seed(args.seed)
         if resume_from_checkpoint:
             checkpoint = (self._checkpoints()[-1] if resume_from_checkpoint is True
                           else Path(resume_from_checkpoint))
@@ -431,12 +435,23 @@ class AsyncGRPOTrainer:
                         "torch_rng": torch.get_rng_state(), "loss_sum": run.loss_sum}, buffer)
             atomic_write_bytes(scratch / "trainer_state.pt", buffer.getvalue())
             write_json(scratch / "rollout_state.json", {
-                **run.ledger.state(), "model_version": run.version.value,
+                **self._cursor_state(), "model_version": run.version.value,
                 "global_step": run.global_step, **run.identity})
         if self.args.save_total_limit:
             for old in self._checkpoints()[: -self.args.save_total_limit]:
                 shutil.rmtree(old)
         return directory
+
+    def _cursor_state(self) -> dict:
+        """The ledger's part of a checkpoint. A fixed schedule resumes at its next block, whose
+        positions are all generated again (seeded, by the versions the checkpoint keeps): the
+        state then never depends on which later groups happened to have arrived."""
+        run, args = self.run, self.args
+        if args.schedule_lag is None:
+            return run.ledger.state()
+        start = run.version.value * args.groups_per_step
+        return PositionLedger(start if run.ledger.end is None
+                              else min(start, run.ledger.end)).state()
 
     def _restore(self, checkpoint: Path, optimizer) -> dict:
         """Adapter, optimizer and RNG from `checkpoint`; returns the run's counters."""
@@ -511,10 +526,15 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------ training
 
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *,
+              interrupt_after_step: int | None = None) -> TrainOutput:
+        """Train to the end of the run, or (`interrupt_after_step`) stop after that optimizer
+        step and save a checkpoint there: the run's schedule and end stay those of the whole
+        run (as `max_steps` would not), so `resume_from_checkpoint` later finishes it."""
         args = self.args
         self._check_picklable()
         run = self.run = self._new_run(resume_from_checkpoint)
+        run.interrupt_after_step = interrupt_after_step
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _terminate)
@@ -576,6 +596,8 @@ class AsyncGRPOTrainer:
             if run.save_every and run.global_step % run.save_every == 0:
                 self._save_checkpoint()
             self._advance(bar)
+            if run.global_step == run.interrupt_after_step:
+                break
         bar.close()
         time.sleep(0.6)  # the worker ships its records every 0.5 s
         self._merge_worker_metrics()
@@ -695,7 +717,7 @@ class AsyncGRPOTrainer:
         metrics = run.window.reduce()
         run.window.clear()
         metrics["num_tokens"] = run.num_tokens
-        metrics["epoch"] = run.ledger.cursor / len(self.rows)
+        metrics["epoch"] = self._cursor_state()["next_prompt_index"] / len(self.rows)
         run.metrics_log.write(run.global_step, metrics)
         self.log(console_line(run.global_step, metrics))
         if self.args.log_completions and samples:
