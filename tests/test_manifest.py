@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -118,6 +119,19 @@ def test_manifest_separates_hashed_state_from_run_facts(in_tmp):
     assert manifest["hashed_sha256"] == sha256_json(manifest["hashed"])
     again = _stage("one", {"data/x.txt": "x"})
     assert again["hashed_sha256"] == manifest["hashed_sha256"]  # timings do not enter it
+    assert manifest["run"]["cpus"] >= 1
+
+
+def test_manifest_records_the_cpu_the_numbers_depend_on(in_tmp, monkeypatch):
+    import torch
+
+    monkeypatch.setenv("MKL_CBWR", "AVX2")  # an override of MKL's kernel choice counts too
+    cpu = _stage("one", {"data/x.txt": "x"})["hashed"]["cpu"]
+    assert cpu["torch_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert cpu["torch_threads"] == torch.get_num_threads()
+    assert cpu["environment"]["MKL_CBWR"] == "AVX2"
+    # what varies on one machine stays out of the hashed section
+    assert not re.search(r"mhz|bogomips|cores|siblings", json.dumps(cpu), re.IGNORECASE)
 
 
 def test_audit_passes_then_names_the_tampered_file(in_tmp):

@@ -48,6 +48,14 @@ def parser() -> argparse.ArgumentParser:
                         help="vLLM-compatible generation server (reprorl serve --help)")
     audit = commands.add_parser("audit", help="re-hash every file named by every manifest")
     audit.add_argument("--manifests", default=str(layout.MANIFESTS))
+    table = commands.add_parser(
+        "readme-results", help="rewrite the README's results block from a run's outputs")
+    table.add_argument("--results", default=str(layout.RESULTS))
+    table.add_argument("--manifests", default=str(layout.MANIFESTS),
+                       help="the same run's stage manifests (its dates, duration and CPU)")
+    table.add_argument("--readme", default="README.md")
+    table.add_argument("--commit", help="the commit the run ran (default: HEAD of the "
+                                        "checkout holding --results)")
     return top
 
 
@@ -61,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "audit":
             result = audit_manifests(args.manifests)
+        elif args.command == "readme-results":
+            from . import readme
+
+            result = readme.main(args.results, args.readme, args.manifests, args.commit)
         else:
             if args.config:
                 config = configuration.load(args.config)

@@ -6,11 +6,12 @@ partial file under its final name, and a finished write stays finished.
 
 A stage manifest (`outputs/manifests/<stage>.json`) has two parts:
 - `hashed`: what must be identical when the stage is rebuilt from the same inputs (sha256 of every
-  input and output file, the code hash, the config subset, library versions);
+  input and output file, the code hash, the config subset, library versions, and the CPU as the
+  numeric libraries see it: the same versions round differently on another instruction set);
   the inputs are the files the stage actually opened: every reader of an input (`corpus.read`,
   the final-export and resume-state loaders, the tokenizer and model loaders, `read_input`)
   records its path with `record_read`; the outputs are the stage's entry in `layout.outputs`;
-- `run`: what legitimately varies between runs (wall time, peak memory, host, start time).
+- `run`: what legitimately varies between runs (wall time, peak memory, host, cores, start time).
 `audit_manifests` re-hashes every file named in `hashed` and stops at the first difference.
 """
 
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -31,7 +33,16 @@ from typing import Any
 from . import layout
 from .errors import AuditError, PreservedArtifactError, ReproError
 
-LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake")
+# the distributions whose version can change a number, a figure's bytes or the DAG
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "snakemake",
+             "matplotlib", "jsonschema", "pyyaml")
+# /proc/cpuinfo flags that change which kernels ATen, MKL or oneDNN dispatch to
+KERNEL_FLAGS = ("sse4_2", "avx", "f16c", "fma", "avx2", "avx_vnni", "avx512f", "avx512bw",
+                "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
+# environment variables that override that choice (when set, they decide the numbers too)
+KERNEL_ENVIRONMENT = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
+                      "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp/mkdtemp create private files; finals get normal modes
 
@@ -206,6 +217,46 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's entries of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return fields
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
+
+
+def cpu_features() -> dict:
+    """The CPU as the numeric libraries see it: a stable description of the machine, kept in the
+    hashed section because the same library versions give other bits on another instruction set
+    (ATen's softmax and MKL's exp round differently under AVX2 and AVX-512). No frequency and no
+    core count: those vary on one machine; the torch threads are the stage's own setting."""
+    import torch
+
+    info = _cpuinfo()
+    flags = set((info.get("flags") or info.get("Features") or "").split())
+    build = torch.__config__.show()
+    versions = {name: match.group(1) for name, pattern in (
+        ("mkl", r"Math Kernel Library Version ([\d.]+)"), ("onednn", r"MKL-DNN (v\S+)"))
+        if (match := re.search(pattern, build))}
+    return {
+        "machine": platform.machine(),
+        "vendor": info.get("vendor_id", ""),
+        "model_name": info.get("model name", platform.processor()),
+        "family_model": f"{info.get('cpu family', '')}/{info.get('model', '')}",
+        "flags": [flag for flag in KERNEL_FLAGS if flag in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "mkl": versions.get("mkl") if torch.backends.mkl.is_available() else None,
+        "onednn": versions.get("onednn") if torch.backends.mkldnn.is_available() else None,
+        "environment": {k: os.environ[k] for k in KERNEL_ENVIRONMENT if k in os.environ},
+    }
+
+
 def peak_rss_mb() -> float:
     """Peak resident memory of this process and its finished children (CPU peak memory)."""
     import resource
@@ -256,6 +307,7 @@ class StageRun:
             "code_sha256": self.code_hash,
             "config": self.config,
             "libraries": library_versions(),
+            "cpu": cpu_features(),
             "inputs": hash_paths(inputs),
             "outputs": hash_paths(outputs),
             "summary": summary or {},
@@ -265,6 +317,10 @@ class StageRun:
             "peak_rss_mb": round(peak_rss_mb(), 1),
             "started_at": self.started_at,
             "host": platform.node(),
+            # cores this process may use (affinity, so a SLURM job's share): not hashed, since
+            # the numbers depend on the torch threads recorded in `cpu`, not on the cores
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
             **(run_info or {}),
         }
         self.manifest = {"hashed": hashed, "hashed_sha256": sha256_json(hashed), "run": run}

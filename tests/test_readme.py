@@ -1,0 +1,94 @@
+"""`reprorl readme-results`: the README's results block rebuilt from a run's outputs."""
+
+import pytest
+from test_evaluate import row  # the tests folder is on sys.path (no package)
+
+from reprorl import cli, evaluate, readme
+from reprorl.manifest import write_json
+
+README = ("# title\n\ntyped prose stays\n\n" + readme.BEGIN + "\nold table\n" + readme.END
+          + "\n\nmore typed prose\n")
+
+
+def _metrics(successes: int, score: float) -> dict:
+    return evaluate.summarize([row(True, True, False, score=score)] * successes
+                              + [row(False, True, False, score=score)] * (5 - successes))
+
+
+def _results() -> dict:
+    """A results.json that passes its schema: SFT 3 of 5, PPO 2 of 5, the GRPO runs 4 and 1."""
+    policies = {}
+    for policy, successes, score in (("sft", 3, -1.84), ("ppo", 2, -1.15),
+                                     ("grpo_verifier", 4, -0.86), ("grpo_learned", 1, -0.69)):
+        metrics = _metrics(successes, score)
+        populations = ("test_rows", "probe_rows", "probe_unique_contexts", "all_rows",
+                       "all_unique_contexts")
+        policies[policy] = {"metrics": dict.fromkeys(populations, metrics),
+                            "rows": [{}] * 260, "generation_sha256": "0" * 64}
+    windows = {"reward": 0.5}
+    return {
+        "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME,
+        "resume_checks": {b: {"status": "PASS", "sha256": "0" * 64}
+                          for b in ("sft", "reward", "ppo")},
+        "reward_model_test": {"pairs": 180, "correct": 180, "ties": 0, "accuracy": 1.0,
+                              "used_for_selection": False},
+        "sft_validation": {},
+        "ppo_sampled_responses": {w: {"rubric_success_rate": 0.275, "recognized_rate": 1.0,
+                                      "mean_reward_model_score": 0.01}
+                                  for w in ("first_10", "last_10")},
+        "grpo_training": {run: {"run": run, "steps": 3, "first_windows": windows,
+                                "last_windows": {"reward": 2.0}, "settings": {}}
+                          for run in ("verifier", "learned")},
+        "policies": policies,
+        "stage_timings": {},
+    }
+
+
+def _run(in_tmp, results: dict, text: str = README) -> int:
+    write_json("outputs/results.json", results)
+    for stage, started, seconds in (("prepare", "2026-12-01T14:42:31+0000", 3.5),
+                                    ("report", "2026-12-01T15:00:40+0000", 2.75)):
+        write_json(f"outputs/manifests/{stage}.json", {
+            "hashed": {"cpu": {"model_name": "Some CPU", "torch_capability": "AVX2"}},
+            "run": {"started_at": started, "wall_seconds": seconds, "cpus": 2}})
+    (in_tmp / "README.md").write_text(text)
+    return cli.main(["readme-results", "--commit", "abc1234"])
+
+
+def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
+    assert _run(in_tmp, _results()) == 0
+    text = (in_tmp / "README.md").read_text()
+    before, after = README.split(readme.BEGIN)[0], README.split(readme.END)[1]
+    assert text.startswith(before + readme.BEGIN) and text.endswith(readme.END + after)
+    assert "old table" not in text
+    rows = text.split(readme.BEGIN)[1].split(readme.END)[0]
+    assert ("| SFT | 60.0 % | -1.84 |\n| PPO (learned reward, KL to SFT) | 40.0 % | -1.15 |\n"
+            "| async GRPO, rubric verifier (train families) | 80.0 % | -0.86 |\n"
+            "| async GRPO, learned reward | 20.0 % | -0.69 |") in rows
+    flat = " ".join(rows.split())
+    assert ("commit abc1234; 2 stages in 18 min 12 s from the first one's start to the last "
+            "one's end, finished 2026-12-01; 2 cores; Some CPU, torch AVX2") in flat
+    assert "100.0 % accurate on the 180 test pairs" in flat
+    assert "verifier from 0.50 to 2.00, learned from 0.50 to 2.00" in flat
+    assert _run(in_tmp, _results(), text) == 0  # a second run regenerates the same block
+    assert (in_tmp / "README.md").read_text() == text
+
+
+@pytest.mark.parametrize("text", ["# no markers\n", README.replace(readme.END, ""),
+                                  README + readme.BEGIN + "\n"],
+                         ids=["none", "no end", "two begins"])
+def test_a_readme_without_one_pair_of_markers_is_refused(in_tmp, capsys, text):
+    assert _run(in_tmp, _results(), text) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and readme.BEGIN in error and "put them there" in error
+    assert (in_tmp / "README.md").read_text() == text
+
+
+def test_results_that_fail_their_schema_are_refused(in_tmp, capsys):
+    results = _results()
+    del results["reward_model_test"]
+    assert _run(in_tmp, results) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "schema" in error
+    assert "rebuild it with `snakemake --cores all outputs/results.json`" in error
+    assert (in_tmp / "README.md").read_text() == README
