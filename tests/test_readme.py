@@ -5,6 +5,7 @@ from test_evaluate import row  # the tests folder is on sys.path (no package)
 
 from reprorl import cli, evaluate, readme
 from reprorl.manifest import write_json
+from reprorl.stages import EXPORTS
 
 README = ("# title\n\ntyped prose stays\n\n" + readme.BEGIN + "\nold table\n" + readme.END
           + "\n\nmore typed prose\n")
@@ -29,7 +30,7 @@ def _results() -> dict:
     return {
         "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME,
         "resume_checks": {b: {"status": "PASS", "sha256": "0" * 64}
-                          for b in ("sft", "reward", "ppo")},
+                          for b in EXPORTS},
         "reward_model_test": {"pairs": 180, "correct": 180, "ties": 0, "accuracy": 1.0,
                               "used_for_selection": False},
         "sft_validation": {},
@@ -40,7 +41,6 @@ def _results() -> dict:
                                 "last_windows": {"reward": 2.0}, "settings": {}}
                           for run in ("verifier", "learned")},
         "policies": policies,
-        "stage_timings": {},
     }
 
 
