@@ -221,10 +221,11 @@ def _sample(tokens: int, trained: int = 2) -> Sample:
 
 def test_padded_layout_and_the_token_budget():
     batch = pad_collate([_sample(3), _sample(5, trained=3)], top_k=2, pad_id=0)
-    assert batch.input_ids.tolist() == [[0, 0, 1, 2, 3], [1, 2, 3, 4, 5]]
+    (forward,) = batch.forwards
+    assert forward.input_ids.tolist() == [[0, 0, 1, 2, 3], [1, 2, 3, 4, 5]]
     assert batch.trained.tolist() == [[False, True, True], [True] * 3]
     assert batch.top_sampler_logp[0, 1].tolist() == [-0.5, -1.0]
-    assert batch.keep.tolist() == [1, 2, 3] and batch.padding == 2  # column c: one before
+    assert forward.keep.tolist() == [1, 2, 3] and batch.padding == 2  # column c: one before
     batcher = TokenBudgetBatcher(token_budget=12, rows=1, top_k=2, pad_id=0)
     assert batcher.oversize(_sample(13)) and not batcher.oversize(_sample(12))
     assert batcher.fits([_sample(4)], _sample(12))  # its first 4 tokens are shared: 12 in all

@@ -2,14 +2,15 @@
 forward and backward of the real GRPO loss, packed against padded and against each sample
 forwarded alone, on random groups with shared prefixes, forks, later turns and any lengths.
 
-Tolerance: packed and padded agree to float32 reduction order, not bitwise. A packed row's
-attention sums over its own keys (the ancestors, behind a mask over the whole sequence) where
-a padded row sums over its padded length, and a linear layer's result for one token changes
-with the shape of the matrix it is part of, so each value may differ by a few float32 ulps
+Tolerance: packed and padded agree to float32 reduction order, not bitwise. A packed token's
+attention sums over its row's keys behind the tree mask where a padded one sums over its
+sample's padded length, and a linear layer's result for one token changes with the shape of
+the matrix it is part of (a row of the trie against a block of padded rows), so each value
+may differ by a few float32 ulps
 (2^-23 relative, about 1e-7) per reduction. Over the few layers here that stays below 1e-6 on
 log-probs of magnitude ~5 (measured over 8 seeds: 4.8e-7 at most), so the bound is 1e-5
 absolute, ten times that. A gradient sums such terms over every trained token, so it is
-compared relative to its own size: 1e-5 of its largest entry (measured: 8.7e-7 at most). The
+compared relative to its own size: 1e-5 of its largest entry (measured: 8.1e-7 at most). The
 same samples in the same order, on the other hand, give bitwise the same rows, loss and
 gradients.
 """
@@ -25,9 +26,8 @@ from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
 from reprorl.grpo.metrics import MetricsWindow
-from reprorl.grpo.packing import mask_for
 from reprorl.grpo.rollout import Sample, TrainingSequence
-from reprorl.grpo.trainer import microbatch_loss, record_rows
+from reprorl.grpo.trainer import kept_logits, microbatch_loss, record_rows
 
 VOCAB = 97
 LOGP_ATOL = 1e-5  # absolute, on per-token log-probs (see the module's docstring)
@@ -36,12 +36,13 @@ GRAD_RTOL = 1e-5  # relative to the largest gradient entry
 # ---------------------------------------------------------------- random groups
 
 
-def make_sample(ids: list[int], trained: list[int], position: int, rng) -> Sample:
+def make_sample(ids: list[int], trained: list[int], position: int, rng,
+                group_samples: int = 1) -> Sample:
     top = [{rng.randrange(VOCAB): -0.5, rng.randrange(VOCAB): -1.5} if t else None
            for t in trained]
     sequence = TrainingSequence(ids, trained, [-rng.uniform(3, 6) * t for t in trained], top)
-    return Sample(sequence, rng.uniform(-1, 1), 0.0, {}, 0.0, {}, 0, position, position, 1,
-                  len(ids), 0.0, "rollout", "")
+    return Sample(sequence, rng.uniform(-1, 1), 0.0, {}, 0.0, {}, 0, position, position,
+                  group_samples, len(ids), 0.0, "rollout", "")
 
 
 def random_groups(seed: int, groups: int = 3, size: int = 4) -> list[Sample]:
@@ -96,13 +97,14 @@ def test_the_source_documents_example_with_the_fork_token_shared():
     samples = [make_sample(p + a, [0, 0, 0, 1, 1], 0, rng),
                make_sample(p + b, [0, 0, 0, 1, 1], 0, rng)]
     batch = TokenBudgetBatcher(16, 1, 2, 0).collate(samples)
-    assert batch.input_ids.tolist() == [[11, 12, 13, 21, 22, 31, 32]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4]]
-    sees = [[k for k in range(7) if batch.attention_mask[0, 0, q, k]] for q in range(7)]
+    (row,) = batch.forwards
+    assert row.input_ids.tolist() == [[11, 12, 13, 21, 22, 31, 32]]
+    assert row.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4]]
+    sees = [[k for k in range(7) if row.attention_mask[0, 0, q, k]] for q in range(7)]
     assert sees == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4], [0, 1, 2, 5],
                     [0, 1, 2, 5, 6]]
-    assert batch.keep.tolist() == [2, 3, 5]  # a1 and b1 both predicted at p3 (index 2)
-    assert batch.keep[batch.index].tolist() == [[2, 3], [2, 5]]
+    assert row.keep.tolist() == [2, 3, 5]  # a1 and b1 both predicted at p3 (index 2)
+    assert row.keep[batch.index].tolist() == [[2, 3], [2, 5]]
     assert batch.targets.tolist() == [a, b]
     assert (batch.sample_tokens, batch.forwarded_tokens, batch.padding) == (10, 7, 0)
     assert batch.trained_positions == 4 and batch.row_costs == [1 + 2 + 3 + 4 + 5 + 4 + 5]
@@ -126,9 +128,12 @@ def test_rows_respect_the_budget_and_count_shared_tokens_once(seed):
     # the same samples in the same order: the same micro-batch, whether built sample by
     # sample through fits() or at once
     again = TokenBudgetBatcher(budget, rows, 2, 0).collate(list(taken))
-    for name in ("input_ids", "attention_mask", "position_ids", "keep", "index", "targets",
-                 "trained", "sampler_logp", "top_ids", "top_sampler_logp", "advantages"):
-        assert torch.equal(getattr(batch, name), getattr(again, name)), name
+    tensors = ("index", "targets", "trained", "sampler_logp", "top_ids", "top_sampler_logp",
+               "advantages")
+    pairs = [(getattr(batch, n), getattr(again, n)) for n in tensors] + [
+        (getattr(f, n), getattr(g, n)) for f, g in zip(batch.forwards, again.forwards, strict=True)
+        for n in ("input_ids", "attention_mask", "position_ids", "keep")]
+    assert all(torch.equal(a, b) for a, b in pairs)
     assert (batch.row_tokens, batch.row_costs) == (again.row_tokens, again.row_costs)
 
 
@@ -140,11 +145,13 @@ def test_placement_keeps_a_group_together_and_balances_the_rows():
                 for c in completions]
 
     a = group(0, [1, 2, 3, 4], [[5], [6], [7]])  # its own row: 7 tokens, 25 pairs
-    b = group(1, [8, 9], [[10, 11, 12, 13]])  # a new row while there is one: 6 tokens, 21
-    c = group(2, [14, 15, 16], [[17]])  # fits both: the cheaper row
+    b = group(1, [8, 9], [[10, 11, 12, 13]])  # shares nothing: a new row, 6 tokens, 21 pairs
+    c = group(2, [14, 15, 16], [[17]])  # shares nothing, fits both: the cheaper row
     batch = TokenBudgetBatcher(12, 2, 2, 0).collate(a + b + c)
     assert batch.row_samples == [3, 2] and batch.row_tokens == [7, 10]
     assert batch.row_costs == [25, 21 + 10]
+    d = group(3, [1, 2], [[18]])  # shares [1, 2] with row 0: goes there, costlier as it is
+    assert TokenBudgetBatcher(12, 2, 2, 0).collate(a + b + c + d).row_samples == [4, 2]
     # a sample whose group's row is full may go to another row only if that row does not
     # become the costliest; a new group's sample of the same length may
     wide = group(0, [1, 2], [[x] for x in range(3, 11)])  # row 0: 10 tokens, 27 pairs
@@ -154,6 +161,12 @@ def test_placement_keeps_a_group_together_and_balances_the_rows():
     batcher = TokenBudgetBatcher(10, 2, 2, 0)
     assert batcher.collate(wide + other).row_costs == [27, 3]
     assert not batcher.fits(wide + other, spill) and batcher.fits(wide + other, fresh)
+    # a new group goes where it shares most only if the rest of the group has room there
+    first = group(0, [1, 2, 3], [[4, 5, 6]])  # row 0: 6 tokens
+    for samples, row in ((5, 0), (6, 1)):  # [1, 2] shared: 6 + 2 + (samples - 1) <= 12?
+        newcomer = make_sample([1, 2, 7, 8], [0, 0, 0, 1], 1, rng, group_samples=samples)
+        assert TokenBudgetBatcher(12, 2, 2, 0).collate(
+            first + [newcomer]).row_samples == ([2] if row == 0 else [1, 1])
 
 
 def test_oversize_samples_are_dropped_and_counted_by_the_queue():
@@ -250,10 +263,7 @@ def loss_and_gradient(model, batch, score_centering=True):
 def token_logp(model, batch) -> torch.Tensor:
     """Per-token log-probs of the trained tokens, in (sample, column) order."""
     with torch.no_grad():
-        logits = model(input_ids=batch.input_ids,
-                       attention_mask=mask_for(model, batch.attention_mask),
-                       position_ids=batch.position_ids, logits_to_keep=batch.keep).logits
-        scores = logits.float().log_softmax(-1).flatten(0, 1)[batch.index]
+        scores = kept_logits(model, batch).float().log_softmax(-1)[batch.index]
         logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     return logp[batch.trained]
 

@@ -98,7 +98,8 @@ TOKEN_IDS = itertools.count(1)  # no two samples share a token: a row holds thei
 
 def sample(position: int, tokens: int = 4, version: int = 0) -> Sample:
     ids = [next(TOKEN_IDS) for _ in range(tokens)]
-    flags = [0] * (tokens - 2) + [1, 1]
+    trained = min(2, tokens - 1)  # the first token is never trained: nothing predicts it
+    flags = [0] * (tokens - trained) + [1] * trained
     sequence = TrainingSequence(ids, flags, [-0.5 * f for f in flags], [None] * tokens)
     return Sample(sequence, 1.0, 1.0, {}, 1.0, {}, version, position, position, 1, tokens,
                   0.0, "id", "")

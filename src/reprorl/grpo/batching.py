@@ -5,26 +5,34 @@ samples (`packing.py`) holding at most `token_budget` tokens, a token shared by 
 counted once, so how many samples a row holds is decided by the budget. A sample is placed,
 in the order the queue offers it (the same samples in the same order give the same rows):
 1. in the row that holds its group (its prompt is there already), if it fits;
-2. else in a new row, while the micro-batch has one left;
-3. else, for a sample of a new group, in the fitting row whose attention cost (query-key
-   pairs under the tree mask) stays lowest, which balances the rows; a sample whose group's
-   row is full goes only to a fitting row that does not become the costliest (splitting a
-   group forwards its prompt twice); otherwise it does not fit and the micro-batch closes.
-A sample longer than `token_budget` fits no row: `oversize` tells the queue to drop it.
+2. a sample whose group's row is full: in a new row, while the micro-batch has one left, else
+   in a fitting row that does not become the costliest (splitting a group forwards its prompt
+   twice), attention cost being the query-key pairs under the tree mask;
+3. a sample of a new group: in the fitting row, or new row, where it adds the fewest tokens
+   (a prompt that shares a system prompt or a template's opening with a row's), then where
+   the cost stays lowest: with nothing shared, a new row while there is one, else the
+   cheapest row, which balances the rows; a row with room for its whole group comes first
+   (`group_samples` samples, each adding about its part after the prompt);
+otherwise it does not fit and the micro-batch closes. A sample longer than `token_budget` fits
+no row: `oversize` tells the queue to drop it.
 
-`MicroBatch` is what the loss reads: the forward's inputs (`input_ids`, `attention_mask`,
-`position_ids`), the positions whose logits are needed (`keep`, passed as `logits_to_keep`),
+`MicroBatch` is what the loss reads: its `forwards` (one per row: input ids, tree mask,
+position ids, and the positions whose logits are needed, `keep`, passed as `logits_to_keep`),
 and per sample the loss columns (B, W) as in the padded layout that came before packing, right-
 aligned to each sample's end, so every per-token tensor of the loss is the same whatever the
-layout; `index` maps each column to the logits that predict it. `pad_collate` builds that
-padded layout, one left-padded row per sample: the reference the tests and
-`benchmarks/packing.py` compare packing against.
+layout; `index` maps each column to the kept logits that predict it (all forwards' kept
+logits, in order). `pad_collate` builds that padded layout, one forward of left-padded rows,
+one per sample: the reference the tests and `benchmarks/packing.py` compare packing against.
 
-Departures from the source document (TRL's TokenBudgetBatcher): one process, so a
-micro-batch's rows are forwarded together as one sequence (rows still bound the trie that
-shares tokens, and balance the cost as ranks would); `full` says when waiting for another
-group could not add to the micro-batch (no row has room for a sample as short as the shortest
-taken), so a free-running step does not wait for a sample that cannot fit.
+Departures from the source document (TRL's TokenBudgetBatcher): one process runs a
+micro-batch's rows one forward after the other, where the document's ranks run one row each
+side by side (each row's forward is the same: no padding, memory bounded by token_budget, the
+attention cost of its own tokens). Spreading new groups over rows would then only forward
+their shared prefixes once more per row and save no time, so a new group goes first where it
+shares most, and cost balances the rows among equals (the document balances its ranks' rows
+first). `full` says when waiting for another group could not add to the micro-batch (no row
+has room for a sample as short as the shortest taken), so a free-running step does not wait
+for a sample that cannot fit.
 """
 
 from __future__ import annotations
@@ -37,12 +45,17 @@ from .packing import Row, attention_pairs, lay_out
 
 
 @dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # (R, L): packed (1, T); padded (B, L)
-    attention_mask: torch.Tensor  # packed: (1, 1, T, T) bool tree mask; padded: (B, L)
+class Forward:
+    input_ids: torch.Tensor  # (R, L): a tree row (1, L); padded rows (B, L)
+    attention_mask: torch.Tensor  # tree: (1, 1, L, L) bool; padded: (B, L)
     position_ids: torch.Tensor  # (R, L)
-    keep: torch.Tensor  # (N,) positions whose logits the loss reads
-    index: torch.Tensor  # (B, W) row of each loss column in the (R * N, V) logits
+    keep: torch.Tensor  # (N,) positions whose logits the loss reads (R * N logits)
+
+
+@dataclass
+class MicroBatch:
+    forwards: list[Forward]
+    index: torch.Tensor  # (B, W) row of each loss column in the forwards' kept logits
     trained: torch.Tensor  # (B, W) bool
     targets: torch.Tensor  # (B, W) the token of each column
     sampler_logp: torch.Tensor  # (B, W)
@@ -58,7 +71,7 @@ class MicroBatch:
 
     @property
     def forwarded_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        return sum(int(f.input_ids.numel()) for f in self.forwards)
 
     @property
     def real_tokens(self) -> int:
@@ -120,12 +133,26 @@ class Plan:
         home = self.home.get(sample.position)
         if home in fitting:
             return home
-        if len(self.rows) < self.max_rows:
-            return len(self.rows)
+        opening = len(self.rows) < self.max_rows
         if home is not None:  # its group's row is full: never make the costliest row costlier
+            if opening:
+                return len(self.rows)
             top = max(row.cost for row in self.rows)
             fitting = [r for r in fitting if self.rows[r].cost + added[r][1] <= top]
-        return min(fitting, key=lambda r: (self.rows[r].cost + added[r][1], r), default=None)
+            return min(fitting, key=lambda r: (self.rows[r].cost + added[r][1], r),
+                       default=None)
+        # a new group: where it adds the fewest tokens, then where the cost stays lowest (a
+        # new row adds every token at no cost yet: it wins when nothing is shared); first
+        # among the rows with room for the rest of its group, each sample adding about its
+        # part after the prompt, since a group split over rows forwards its prompt twice
+        rest = (sample.group_samples - 1) * (len(ids) - _first_trained(sample))
+        options = [(added[r][0], self.rows[r].cost + added[r][1], r,
+                    self.rows[r].tokens + added[r][0] + rest <= self.budget) for r in fitting]
+        if opening:
+            options.append((len(ids), attention_pairs(len(ids)), len(self.rows),
+                            len(ids) + rest <= self.budget))
+        whole = [option for option in options if option[3]]
+        return min(whole or options)[2] if options else None
 
     def place(self, sample) -> bool:
         row = self.choose(sample)
@@ -180,27 +207,35 @@ class TokenBudgetBatcher:
 
     def collate(self, samples: list) -> MicroBatch:
         plan = self._plan(samples)
-        ids, positions, mask, indices = lay_out(plan.rows)
         columns = loss_columns(samples, self.top_k, self.pad_id)
         trained = columns["trained"]
         width = trained.shape[1]
-        predictor = torch.zeros(trained.shape, dtype=torch.long)  # index of the token before
-        seen = set()  # forwarded positions of trained tokens (shared ones once)
-        for b, (s, (row, k)) in enumerate(zip(samples, plan.where)):
-            where = indices[row][k]
+        forwards, places, trained_positions, offset = [], [], 0, 0
+        for row in plan.rows:
+            ids, positions, mask, indices = lay_out(row)
+            predictors, seen = [], set()  # the token before each trained token; trained ones
+            for s, where in zip(row.samples, indices):
+                for j in range(s.tokens - width, s.tokens):
+                    if j >= 1 and s.sequence.trained[j]:
+                        predictors.append(where[j - 1])
+                        seen.add(where[j])
+            keep = sorted(set(predictors))
+            forwards.append(Forward(ids, mask, positions, torch.tensor(keep, dtype=torch.long)))
+            places.append((indices, {p: offset + i for i, p in enumerate(keep)}))
+            trained_positions += len(seen)
+            offset += len(keep)
+        index = [[0] * width for _ in samples]  # untrained columns: any logits
+        for b, (s, flags, (row, k)) in enumerate(zip(samples, trained.tolist(), plan.where)):
+            indices, slot = places[row]
             for c in range(width):
-                j = s.tokens - width + c
-                if trained[b, c]:
-                    predictor[b, c] = where[j - 1]
-                    seen.add(where[j])
-        keep = torch.unique(predictor[trained])  # sorted; every sample has a trained token
-        index = torch.where(trained, torch.searchsorted(keep, predictor), 0)
-        return MicroBatch(ids, mask, positions, keep, index, **columns,
+                if flags[c]:
+                    index[b][c] = slot[indices[k][s.tokens - width + c - 1]]
+        return MicroBatch(forwards, torch.tensor(index, dtype=torch.long), **columns,
                           row_tokens=[row.tokens for row in plan.rows],
                           row_samples=[len(row.samples) for row in plan.rows],
                           row_costs=[row.cost for row in plan.rows],
                           sample_tokens=sum(s.tokens for s in samples), padding=0,
-                          trained_positions=len(seen))
+                          trained_positions=trained_positions)
 
 
 def pad_collate(samples: list, top_k: int, pad_id: int) -> MicroBatch:
@@ -220,7 +255,7 @@ def pad_collate(samples: list, top_k: int, pad_id: int) -> MicroBatch:
     keep = torch.arange(length - width - 1, length - 1)  # column c is predicted one earlier
     index = torch.arange(rows * width).view(rows, width)
     total = sum(s.tokens for s in samples)
-    return MicroBatch(ids, attention, positions, keep, index, **columns,
+    return MicroBatch([Forward(ids, attention, positions, keep)], index, **columns,
                       row_tokens=[length] * rows, row_samples=[1] * rows,
                       row_costs=[attention_pairs(length)] * rows, sample_tokens=total,
                       padding=rows * length - total,

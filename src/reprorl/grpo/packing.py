@@ -2,17 +2,16 @@
 
 A row holds the token ids of its samples as a prefix trie: a prefix that several samples
 share (a group's prompt, a chat template's opening, the conversation a later turn repeats) is
-one path of nodes, and each sample is a path from the root. The rows of a micro-batch are laid
-out one after the other, each trie in depth-first order (children in the order they were first
-inserted, so the same samples in the same order give the same layout), as one sequence:
-- `position_ids`: a token's depth in its trie, i.e. its position in every sample through it,
+one path of nodes, and each sample is a path from the root. A row is laid out as one sequence,
+its trie in depth-first order (children in the order they were first inserted, so the same
+samples in the same order give the same layout):
+- `position_ids`: a token's depth in the trie, i.e. its position in every sample through it,
   so positions restart along each branch;
 - the attention mask: token q sees token k iff k is q or one of its ancestors. In depth-first
   order the subtree of k is the range [k, end[k]), so `mask[q, k] = k <= q < end[k]`;
-- nothing is padded: the rows are concatenated, never stretched to a common length.
-Attention then runs once over the whole sequence with that mask, which makes each token's
-context exactly its own sample's prefix: its log-probabilities are those of forwarding the
-sample alone (up to float reduction order).
+- nothing is padded: each row is a forward of its own length.
+Attention with that mask makes each token's context exactly its own sample's prefix: its
+log-probabilities are those of forwarding the sample alone (up to float reduction order).
 
 Departure from the source document: its trie keeps the token before a fork once per branch,
 because its rows carry one label per position. Here the loss gathers each sample's
@@ -92,26 +91,20 @@ class Row:
         return order, place
 
 
-def lay_out(rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
-    """The rows as one sequence: input ids (1, T), position ids (1, T), the tree mask
-    (1, 1, T, T; True where a query may see a key) and, per row and sample, the index of each
-    of its tokens in the sequence."""
-    ids, positions, ends, indices, offset = [], [], [], [], 0
-    for row in rows:
-        order, place = row.depth_first()
-        size = [1] * len(row.token)  # subtree sizes: children were created after parents
-        for node in range(len(row.token) - 1, 0, -1):
-            size[row.parent[node]] += size[node]
-        ids += [row.token[n] for n in order]
-        positions += [row.depth[n] for n in order]
-        ends += [offset + place[n] + size[n] for n in order]
-        indices.append([[offset + place[n] for n in path] for path in row.paths])
-        offset += len(order)
-    index = torch.arange(offset)
-    end = torch.tensor(ends, dtype=torch.long)
+def lay_out(row: Row) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """The row as one sequence: input ids (1, L), position ids (1, L), the tree mask
+    (1, 1, L, L; True where a query may see a key) and, per sample, the index of each of its
+    tokens in the sequence."""
+    order, place = row.depth_first()
+    size = [1] * len(row.token)  # subtree sizes: children were created after their parents
+    for node in range(len(row.token) - 1, 0, -1):
+        size[row.parent[node]] += size[node]
+    index = torch.arange(len(order))
+    end = torch.tensor([place[n] + size[n] for n in order], dtype=torch.long)
     mask = (index[None, :] <= index[:, None]) & (index[:, None] < end[None, :])
-    return (torch.tensor([ids], dtype=torch.long), torch.tensor([positions], dtype=torch.long),
-            mask[None, None], indices)
+    return (torch.tensor([[row.token[n] for n in order]], dtype=torch.long),
+            torch.tensor([[row.depth[n] for n in order]], dtype=torch.long), mask[None, None],
+            [[place[n] for n in path] for path in row.paths])
 
 
 def mask_for(model, mask: torch.Tensor) -> torch.Tensor:

@@ -157,21 +157,27 @@ def load_policy(model, args: AsyncGRPOConfig):
         model, local_files_only=True, trust_remote_code=args.trust_remote_code, **kwargs), model
 
 
+def kept_logits(model, batch: MicroBatch) -> torch.Tensor:
+    """The logits the loss reads, (sum of R * N over the forwards, V): each forward's kept
+    positions, forward after forward (`batch.index` counts in that order)."""
+    return torch.cat([model(
+        input_ids=f.input_ids, attention_mask=mask_for(model, f.attention_mask),
+        position_ids=f.position_ids, use_cache=False, logits_to_keep=f.keep,
+    ).logits.flatten(0, 1) for f in batch.forwards])
+
+
 def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch
                     ) -> tuple[torch.Tensor, dict]:
     """The micro-batch's loss (`loss.py`, token mean over its trained tokens) and the seed's
-    sampling metrics. The forward runs on the batch's layout (tree rows or padded rows); the
-    logits of `batch.keep` are gathered into per-sample columns (B, W, V) by `batch.index`, so
-    every per-token quantity below is computed per trained token, whatever the layout."""
+    sampling metrics. The forwards run on the batch's layout (tree rows, or padded rows); their
+    kept logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every
+    per-token quantity below is computed per trained token, whatever the layout."""
     autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
                 else contextlib.nullcontext())
     with autocast:
-        logits = model(input_ids=batch.input_ids,
-                       attention_mask=mask_for(model, batch.attention_mask),
-                       position_ids=batch.position_ids, use_cache=False,
-                       logits_to_keep=batch.keep).logits
+        logits = kept_logits(model, batch)
     # log_softmax on the kept positions once, then one copy per column that reads them
-    scores = (logits.float() / args.temperature).log_softmax(-1).flatten(0, 1)[batch.index]
+    scores = (logits.float() / args.temperature).log_softmax(-1)[batch.index]
     logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     ratio, keep = importance_weights(logp.detach(), batch.sampler_logp,
                                      args.vllm_importance_sampling_clip_min,
