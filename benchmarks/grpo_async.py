@@ -2,7 +2,8 @@
 
 All arms start from the same SFT actor, train on the same 672 rollout prompts with the same
 reward (the rubric verifier by default, `--reward learned` for the reward model), seed and
-step budget (`--steps` optimizer steps of `per_device_train_batch_size` samples), with the
+step budget (`--steps` optimizer steps: `groups_per_step` prompts each in the fixed arms; in
+the free arm, what `per_device_train_batch_size` rows of `token_budget` tokens hold), with the
 embedded server:
 - sync: `synchronous=True`, the fixed schedule with lag 0 (each step's groups are generated
   by the version that trains on them: generation waits for training);

@@ -30,10 +30,12 @@ from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from reprorl.grpo.rollout import epoch_order
 from reprorl.grpo.metrics import reproducible
 
+# Two rows of 100 tokens: a group (46 prompt tokens, 4 completions of 8 at most) fills most of
+# a row, so a free-running step trains two groups or a few more; a fixed one, two groups.
 BASE = {"embedded_server": True, "embedded_server_max_model_len": 128,
-        "max_completion_length": 8, "num_generations": 4, "per_device_train_batch_size": 8,
-        "token_budget": 512, "learning_rate": 1e-3, "logging_steps": 1, "disable_tqdm": True,
-        "vllm_server_timeout": 60.0, "rollout_worker_timeout": 60.0}
+        "max_completion_length": 8, "num_generations": 4, "per_device_train_batch_size": 2,
+        "token_budget": 100, "groups_per_step": 2, "learning_rate": 1e-3, "logging_steps": 1,
+        "disable_tqdm": True, "vllm_server_timeout": 60.0, "rollout_worker_timeout": 60.0}
 SEED_METRICS = (
     "reward", "reward_kept", "frac_reward_zero_std", "completions/mean_length",
     "completions/clipped_ratio", "completions/duplicate_frac",
@@ -233,7 +235,10 @@ def test_run_completes_with_the_seed_metrics(e2e):
     missing = [name for name in SEED_METRICS if name not in present]
     assert not missing, f"metrics.jsonl lacks {missing}"
     steps = [line for line in lines if "perf/step_s" in line]
-    assert all(line["batch/samples_per_step"] == 8 for line in steps)
+    assert all(line["batch/samples_per_step"] >= 8 for line in steps)  # a group in each row
+    for line in steps:  # the rows as forwarded: a group's prompt once, never padded
+        assert line["batch/packing_ratio"] > 1.5 and line["batch/pad_frac"] == 0
+        assert line["batch/row_tokens_max"] <= 100 and line["batch/row_fill_frac"] <= 1
     assert all(0 < line["sampling/sampler_mass"] <= 1 + 1e-4 for line in steps)
     assert total(lines, "rollout/vllm_retry_count") == 0  # the server never failed a request
     assert any(m.startswith("step 3:") for m in e2e["messages"])
@@ -322,9 +327,9 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
     out = tmp_path / "out"
     record = tmp_path / "seen.txt"  # the same path in both runs: it is part of the settings
 
-    def trainer_for(max_steps, record, messages):
+    def trainer_for(max_steps, record, messages):  # one row of 62 tokens: two samples a step
         args = make_args(tmp_path, "out", RecordingConfig, max_steps=max_steps, save_steps=1,
-                         save_total_limit=2, per_device_train_batch_size=2,
+                         save_total_limit=2, per_device_train_batch_size=1, token_budget=62,
                          record_path=str(record))
         trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
                                    args=args, train_dataset=rows, log=messages.append)
@@ -378,12 +383,13 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_stale_samples_are_dropped_without_pinning_the_cursor(tiny_model, tmp_path):
-    """max_staleness=0 and token_budget=128: a micro-batch holds two 54-token samples, so the
-    third sample of a group waits across the step and its weight sync and is then stale, as
-    is the rest of its group and any group generated meanwhile. They are dropped (never
-    trained), and the one-epoch run (max_steps=-1) still ends, its cursor past every prompt."""
+    """max_staleness=0 and one row of 54 tokens: a micro-batch holds one 54-token sample (two
+    only if their completions are short), so the next sample of a group waits across the step
+    and its weight sync and is then stale, as is the rest of its group and any group generated
+    meanwhile. They are dropped (never trained), and the one-epoch run (max_steps=-1) still
+    ends, its cursor past every prompt."""
     args = make_args(tmp_path, "out", max_steps=-1, num_train_epochs=1, max_staleness=0,
-                     token_budget=128)
+                     per_device_train_batch_size=1, token_budget=54)
     trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
                                args=args, train_dataset=make_rows(4), log=lambda message: None)
     result = trainer.train()

@@ -20,10 +20,8 @@ PIPELINE_DIFFERENCES = {
     "num_train_epochs": "one pass over the 672 rollout prompts; the seed's 3 do not fit a CPU "
                         "run's time budget",
     "num_generations": "groups of 4, half the seed's 8, for a CPU run's time budget",
-    "per_device_train_batch_size": "16 samples, four groups of 4, so a step averages over "
-                                   "four prompts",
-    "token_budget": "room for 16 samples per micro-batch; null would cap it at max_model_len "
-                    "(limits.context_tokens)",
+    "groups_per_step": "four prompts a step, the 16 samples of a step before tree packing, "
+                       "which 8 rows of max_model_len hold in one micro-batch",
     "gradient_checkpointing": "the tiny model needs no memory and CPU time is the budget",
     "max_concurrent_rollouts": "the embedded server decodes 64 sequences at once "
                                "(embedded_server_max_num_seqs); more would only wait in its "
@@ -61,4 +59,4 @@ def test_pipeline_defaults_are_valid_settings():
     settings = {name: spec["default"] for name, spec in grpo_block().items()
                 if name != "cut_penalty" and spec["default"] is not None}
     config = AsyncGRPOConfig(output_dir="out", **settings)
-    assert config.per_device_train_batch_size == 16 and not config.gradient_checkpointing
+    assert config.groups_per_step == 4 and not config.gradient_checkpointing

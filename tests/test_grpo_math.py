@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reprorl.grpo import AsyncGRPOConfig
-from reprorl.grpo.batching import PaddedBatcher
+from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
 from reprorl.grpo.loss import (
     centered_score_loss,
     clip_fractions,
@@ -219,15 +219,17 @@ def _sample(tokens: int, trained: int = 2) -> Sample:
     return Sample(sequence, 1.0, 1.0, {}, 1.0, {}, 0, 0, 0, 1, tokens, 0.0, "id", "")
 
 
-def test_padded_batcher_budget_and_layout():
-    batcher = PaddedBatcher(token_budget=12, max_samples=4, top_k=2, pad_id=0)
-    assert batcher.oversize(_sample(13)) and not batcher.oversize(_sample(12))
-    assert batcher.fits([_sample(4)], _sample(6))  # 2 x 6 = 12
-    assert not batcher.fits([_sample(4), _sample(4)], _sample(5))  # 3 x 5 = 15
-    batch = batcher.collate([_sample(3), _sample(5, trained=3)])
-    assert batch.input_ids.tolist() == [[0, 0, 1, 2, 3], [1, 2, 3, 4, 5]]
-    assert batch.width == 3 and batch.trained.tolist() == [[False, True, True], [True] * 3]
+def test_padded_layout_and_the_token_budget():
+    batch = pad_collate([_sample(3), _sample(5, trained=3)], top_k=2, pad_id=0)
+    (forward,) = batch.forwards
+    assert forward.input_ids.tolist() == [[0, 0, 1, 2, 3], [1, 2, 3, 4, 5]]
+    assert batch.trained.tolist() == [[False, True, True], [True] * 3]
     assert batch.top_sampler_logp[0, 1].tolist() == [-0.5, -1.0]
+    assert forward.keep.tolist() == [1, 2, 3] and batch.padding == 2  # column c: one before
+    batcher = TokenBudgetBatcher(token_budget=12, rows=1, top_k=2, pad_id=0)
+    assert batcher.oversize(_sample(13)) and not batcher.oversize(_sample(12))
+    assert batcher.fits([_sample(4)], _sample(12))  # its first 4 tokens are shared: 12 in all
+    assert not batcher.fits([_sample(4)], _sample(13))
 
 
 def test_config_defaults_and_refusals():

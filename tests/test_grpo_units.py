@@ -8,6 +8,7 @@ multiprocessing queues, a locked counter for a shared `multiprocessing.Value`, a
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from reprorl.grpo.batching import PaddedBatcher
+from reprorl.grpo.batching import TokenBudgetBatcher
 from reprorl.grpo.ledger import PositionLedger
 from reprorl.grpo.metrics import MetricsWindow
 from reprorl.grpo.processes import WorkerHandle, WorkerSignals
@@ -92,9 +93,13 @@ class Counter:
         return self.lock
 
 
+TOKEN_IDS = itertools.count(1)  # no two samples share a token: a row holds their sum
+
+
 def sample(position: int, tokens: int = 4, version: int = 0) -> Sample:
-    ids = list(range(1, tokens + 1))
-    flags = [0] * (tokens - 2) + [1, 1]
+    ids = [next(TOKEN_IDS) for _ in range(tokens)]
+    trained = min(2, tokens - 1)  # the first token is never trained: nothing predicts it
+    flags = [0] * (tokens - trained) + [1] * trained
     sequence = TrainingSequence(ids, flags, [-0.5 * f for f in flags], [None] * tokens)
     return Sample(sequence, 1.0, 1.0, {}, 1.0, {}, version, position, position, 1, tokens,
                   0.0, "id", "")
@@ -103,13 +108,13 @@ def sample(position: int, tokens: int = 4, version: int = 0) -> Sample:
 class Pipeline:
     """A SampleQueue with its inputs, filled as the worker would fill them."""
 
-    def __init__(self, end=None, max_staleness=1, budget=16, max_samples=4, patience=3,
+    def __init__(self, end=None, max_staleness=1, budget=16, rows=1, patience=3,
                  stall_positions=None, stall_timeout=float("inf")):
         self.groups, self.version = queue.Queue(), SimpleNamespace(value=0)
         self.tokens, self.count = Counter(), Counter()
         self.ledger, self.window, self.messages = PositionLedger(end=end), MetricsWindow(), []
         self.checks, self.patience = 0, patience  # worker checks before it "fails"
-        self.batcher = PaddedBatcher(budget, max_samples, 1, 0)
+        self.batcher = TokenBudgetBatcher(budget, rows, 1, 0)
         self.queue = SampleQueue(self.groups, self.ledger, self.version, max_staleness,
                                  self.tokens, self.count, self.window,
                                  check_worker=self.check, log=self.messages.append,
@@ -134,7 +139,7 @@ def test_queue_fills_a_microbatch_and_carries_the_sample_that_does_not_fit():
     p = Pipeline(budget=16, end=1)
     p.put(0, sample(0), sample(0), sample(0), sample(0, tokens=8))
     first = p.queue.next_microbatch(p.batcher)
-    assert [s.tokens for s in first] == [4, 4, 4]  # 4 x 8 > 16: the fourth waits
+    assert [s.tokens for s in first] == [4, 4, 4]  # 12 + 8 > 16: the fourth waits
     assert p.tokens.value == 8 and p.count.value == 1  # taken samples left the counters
     assert p.queue.carried is not None
     second = p.queue.next_microbatch(p.batcher)
@@ -158,7 +163,7 @@ def test_queue_drops_stale_samples_counting_them_and_freeing_their_position():
 def test_carried_sample_is_judged_stale_again():
     p = Pipeline(budget=8, max_staleness=0)
     p.put(0, sample(0), sample(0), sample(0))
-    assert len(p.queue.next_microbatch(p.batcher)) == 2  # 2 x 4 fills the budget of 8
+    assert len(p.queue.next_microbatch(p.batcher)) == 2  # 4 + 4 fills the budget of 8
     p.version.value = 1  # a step and a sync pass: the carried sample is now stale
     with pytest.raises(RuntimeError, match="worker gone"):  # nothing else ever arrives
         p.queue.next_microbatch(p.batcher)
@@ -185,7 +190,7 @@ def test_queue_is_exhausted_once_every_position_arrived():
 
 
 def test_a_fixed_block_comes_in_position_order_whatever_the_arrival_order():
-    p = Pipeline(budget=8, max_samples=2, end=6)
+    p = Pipeline(budget=8, end=6)
     p.ledger.arrive(0, 0)  # consumed before a resume: it never arrives again
     p.put(3, sample(3))  # the next block's: parked until its turn
     p.put(2, sample(2, tokens=3), sample(2, tokens=5))
@@ -203,7 +208,7 @@ def test_a_fixed_block_comes_in_position_order_whatever_the_arrival_order():
 def test_an_epoch_of_positions_without_samples_stops_the_run_naming_why():
     from reprorl.grpo.sample_queue import StalledRun
 
-    p = Pipeline(stall_positions=3, patience=3, max_samples=1)
+    p = Pipeline(stall_positions=3, patience=3, budget=4)  # one sample fills the row
     p.put(0)
     p.put(1, sample(1))  # one group with signal: trained, the count starts again
     assert [s.position for s in p.queue.next_microbatch(p.batcher)] == [1]

@@ -9,7 +9,8 @@ CPU engine never is (the seed turns bf16 on unless fp16); `ignore_data_skip` can
 as in the seed; `vllm_server_timeout` bounds the start-up wait only (the seed uses it for
 weight syncs too), `vllm_request_timeout` each request. Additions of ours, grouped at the end:
 `embedded_server*` (start the CPU server shipped here), `schedule_lag` (a schedule that
-replays bit for bit) and `synchronous` (its lag 0, the benchmark's baseline),
+replays bit for bit), `synchronous` (its lag 0, the benchmark's baseline) and `groups_per_step`
+(its step: a fixed count of prompts, where the seed's step holds what the rows' budget takes),
 `vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
 `reward_timeout` and `stall_timeout`, and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
 Every number is checked finite and in range when the config is made.
@@ -35,7 +36,7 @@ class AsyncGRPOConfig:
     output_dir: str | None = option(
         None, "Checkpoints, metrics and the `.vllm_lora/` serving cache go here.")
     per_device_train_batch_size: int = option(
-        8, "Samples per micro-batch at most (rows also stay within token_budget).")
+        8, "Packed rows per micro-batch; token_budget decides how many samples a row holds.")
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
     num_train_epochs: float = option(
         3.0, "Passes over the prompts, counted in distinct prompts consumed.")
@@ -104,7 +105,8 @@ class AsyncGRPOConfig:
     num_sampler_logprobs: int = option(
         8, "Top sampler log-probs requested per token, for score centering.")
     token_budget: int | None = option(
-        None, "Forwarded tokens per micro-batch row at most (None: server max_model_len).")
+        None, "Tokens of one packed row at most, a prefix its samples share counted once "
+        "(None: the server's max_model_len, so that every sample fits).")
     # ---- asynchronous pipeline
     max_concurrent_rollouts: int = option(512, "Rollouts in flight at most.")
     max_staleness: int = option(
@@ -128,6 +130,9 @@ class AsyncGRPOConfig:
         "trains the groups of its positions, sampled by version max(0, s - L).")
     synchronous: bool = option(
         False, "Baseline: schedule_lag=0, generate one step's groups, then train on them.")
+    groups_per_step: int | None = option(
+        None, "A fixed schedule's step: this many consecutive prompt positions (None: "
+        "per_device_train_batch_size x gradient_accumulation_steps, a group per row).")
     vllm_max_retries: int = option(
         3, "Retries of a failed sampling request before the worker gives up.")
     vllm_server_api_key: str | None = option(
@@ -151,6 +156,9 @@ class AsyncGRPOConfig:
         problems = [*self._step_problems(), *self._choice_problems(), *self._range_problems()]
         if problems:
             raise ValueError("AsyncGRPOConfig: " + "; ".join(problems))
+        if self.groups_per_step is None:
+            self.groups_per_step = (self.per_device_train_batch_size
+                                    * self.gradient_accumulation_steps)
 
     def _step_problems(self):
         for name in ("logging_steps", "save_steps"):
@@ -215,7 +223,8 @@ class AsyncGRPOConfig:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
                      "weight_sync_steps", "max_concurrent_rollouts", "max_completion_length",
                      "embedded_server_threads", "embedded_server_max_num_seqs", "lora_rank",
-                     "token_budget", "embedded_server_max_model_len", "save_total_limit"):
+                     "token_budget", "embedded_server_max_model_len", "save_total_limit",
+                     "groups_per_step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 yield f"{name} must be >= 1"
         for name in ("max_staleness", "vllm_max_retries", "num_sampler_logprobs",
@@ -232,13 +241,8 @@ class AsyncGRPOConfig:
                 yield f"{name} must be in [0, 1)"
         if self.epsilon_high < self.epsilon:
             yield "epsilon_high must be >= epsilon"
-        if self.schedule_lag is not None:
-            if self.schedule_lag < 0 or self.max_staleness < self.schedule_lag:
-                yield "schedule_lag must be in [0, max_staleness]: its samples are that stale"
-            samples = self.per_device_train_batch_size * self.gradient_accumulation_steps
-            if samples % self.num_generations:  # also when fewer samples than a group
-                yield ("a fixed schedule trains whole groups: per_device_train_batch_size x "
-                       "gradient_accumulation_steps must be a multiple of num_generations")
+        if self.schedule_lag is not None and not 0 <= self.schedule_lag <= self.max_staleness:
+            yield "schedule_lag must be in [0, max_staleness]: its samples are that stale"
         if self.score_centering and self.num_sampler_logprobs < 1:
             yield "score_centering needs num_sampler_logprobs >= 1"
 
@@ -252,12 +256,6 @@ class AsyncGRPOConfig:
             raise ValueError(f"AsyncGRPOConfig: {name}={value} is a fraction of max_steps: "
                              "set max_steps > 0, or give a whole number of steps")
         return max(1, math.ceil(value * self.max_steps))
-
-    @property
-    def groups_per_step(self) -> int:
-        """A fixed schedule's step: this many consecutive prompt positions."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps // (
-            self.num_generations)
 
     def schedule_version(self, position: int) -> int | None:
         """The weight version that samples `position`'s group (None: free-running)."""

@@ -2,14 +2,15 @@
 
 The worker puts one `GroupResult` per prompt position; this unit unpacks groups into samples,
 drops a sample more than `max_staleness` weight versions old at dequeue (`is_stale`), and a
-sample longer than the token budget, and hands out micro-batches the batcher accepts. A sample
-that does not fit the micro-batch being filled is carried over to the next one, and judged for
-staleness again then (a step and a weight sync may have passed). Every taken or dropped sample
-leaves the shared queued-token and queued-sample counters at once, not after the step: a step
-that held the whole token allowance would otherwise wait for a group the worker may not start.
-Every arrival, training and drop is entered in the `PositionLedger`, and a group's content
-metrics (its `records`) in the window when its samples are taken. A fixed schedule takes a
-whole block of positions at a time instead, in position order (`next_block`).
+sample longer than the token budget, and hands out micro-batches the batcher accepts
+(`batcher.fits`; a free-running micro-batch stops waiting for groups once `batcher.full`). A
+sample that does not fit the micro-batch being filled is carried over to the next one, and
+judged for staleness again then (a step and a weight sync may have passed). Every taken or
+dropped sample leaves the shared queued-token and queued-sample counters at once, not after the
+step: a step that held the whole token allowance would otherwise wait for a group the worker
+may not start. Every arrival, training and drop is entered in the `PositionLedger`, and a
+group's content metrics (its `records`) in the window when its samples are taken. A fixed
+schedule takes a whole block of positions at a time instead, in position order (`next_block`).
 
 Watchdog: when `stall_positions` prompt positions in a row (an epoch's worth) arrive without a
 sample (dropped for zero reward variance, or filtered), or no sample is trained for
@@ -62,7 +63,9 @@ class SampleQueue:
         """Samples for one micro-batch: as many as fit, or fewer when none is waiting any more
         (empty: nothing arrived, or the run's positions are all consumed)."""
         samples: list[Sample] = []
-        while len(samples) < batcher.max_samples:  # full: one more group could not change it
+        while True:
+            if not self.pending and batcher.full(samples):
+                return samples  # waiting for another group could not add to it
             sample = self._next_sample()
             if sample is None:
                 return samples
@@ -73,7 +76,6 @@ class SampleQueue:
                 return samples
             self._take(sample)
             samples.append(sample)
-        return samples
 
     def next_block(self, first: int, last: int, batcher) -> list[list[Sample]]:
         """A fixed schedule's step: once every position in [first, last) has arrived (or was
@@ -95,8 +97,7 @@ class SampleQueue:
                 if self._dropped_oversize(sample, batcher):
                     continue
                 current = batches[-1]
-                if current and not (len(current) < batcher.max_samples
-                                    and batcher.fits(current, sample)):
+                if current and not batcher.fits(current, sample):
                     batches.append(current := [])
                 self._take(sample)
                 current.append(sample)

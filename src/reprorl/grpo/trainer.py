@@ -4,7 +4,8 @@ The trainer (this process) owns the policy, the optimizer and the weight version
 (`rollout.py`, a spawned CPU process) owns generation and scoring; a generation server (a real
 `vllm serve`, or `reprorl serve` started here when `embedded_server=True`) samples.
 Per optimizer step: take `gradient_accumulation_steps` micro-batches from the queue (samples
-more than `max_staleness` versions old are dropped), compute the loss of `loss.py`, step
+more than `max_staleness` versions old are dropped), each up to `per_device_train_batch_size`
+tree-packed rows of `token_budget` tokens (`batching.py`), compute the loss of `loss.py`, step
 AdamW, set the worker's token allowance, and every `weight_sync_steps` steps publish a new
 version through the LoRA path: a PEFT adapter written atomically under
 `<output_dir>/.vllm_lora/v<N>/`, loaded by name, `max_staleness + 1` versions kept live.
@@ -43,7 +44,7 @@ import torch
 from .. import lora
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from . import server as embedded_server  # started by module name; imported for the code hash
-from .batching import MicroBatch, PaddedBatcher
+from .batching import MicroBatch, TokenBudgetBatcher
 from .client import ServerAdmin
 from .config import AsyncGRPOConfig
 from .identity import refuse_other_run, run_identity
@@ -56,6 +57,7 @@ from .loss import (
     token_mean,
 )
 from .metrics import MetricsLog, MetricsWindow, console_line
+from .packing import mask_for
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import AsyncRolloutLoop, Sample, drain, reward_name, run_rollout_loop
 from .sample_queue import SampleQueue, StalledRun
@@ -155,6 +157,87 @@ def load_policy(model, args: AsyncGRPOConfig):
         model, local_files_only=True, trust_remote_code=args.trust_remote_code, **kwargs), model
 
 
+def kept_logits(model, batch: MicroBatch) -> torch.Tensor:
+    """The logits the loss reads, (sum of R * N over the forwards, V): each forward's kept
+    positions, forward after forward (`batch.index` counts in that order)."""
+    return torch.cat([model(
+        input_ids=f.input_ids, attention_mask=mask_for(model, f.attention_mask),
+        position_ids=f.position_ids, use_cache=False, logits_to_keep=f.keep,
+    ).logits.flatten(0, 1) for f in batch.forwards])
+
+
+def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch
+                    ) -> tuple[torch.Tensor, dict]:
+    """The micro-batch's loss (`loss.py`, token mean over its trained tokens) and the seed's
+    sampling metrics. The forwards run on the batch's layout (tree rows, or padded rows); their
+    kept logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every
+    per-token quantity below is computed per trained token, whatever the layout."""
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
+                else contextlib.nullcontext())
+    with autocast:
+        logits = kept_logits(model, batch)
+    # log_softmax on the kept positions once, then one copy per column that reads them
+    scores = (logits.float() / args.temperature).log_softmax(-1)[batch.index]
+    logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    ratio, keep = importance_weights(logp.detach(), batch.sampler_logp,
+                                     args.vllm_importance_sampling_clip_min,
+                                     args.vllm_importance_sampling_clip_max)
+    keep = keep & batch.trained
+    if args.score_centering:
+        topk_logp = scores.gather(-1, batch.top_ids)
+        per_token = centered_score_loss(logp, topk_logp, batch.top_sampler_logp,
+                                        batch.advantages, ratio, keep)
+    else:
+        per_token = clipped_surrogate_loss(logp, batch.sampler_logp, batch.advantages, keep,
+                                           args.epsilon, args.epsilon_high)
+    with torch.no_grad():
+        stats = loss_stats(args, batch, scores, logp.detach(), ratio, keep)
+    return token_mean(per_token, batch.trained), stats
+
+
+def loss_stats(args: AsyncGRPOConfig, batch: MicroBatch, scores, logp, ratio,
+               keep) -> dict[str, list]:
+    """Per-token (per-completion for clip_ratio) values of the seed's sampling metrics."""
+    t = batch.trained
+    diff = (logp - batch.sampler_logp).abs()[t].tolist()
+    ratios = ratio[t].tolist()
+    clipped = clip_fractions(ratio, batch.advantages, t, args.epsilon, args.epsilon_high)
+    low, high = clipped["low"].tolist(), clipped["high"].tolist()
+    stats = {
+        "sampling/sampling_logp_difference/mean": diff,
+        "sampling/sampling_logp_difference/max": diff,
+        "sampling/importance_sampling_ratio/min": ratios,
+        "sampling/importance_sampling_ratio/mean": ratios,
+        "sampling/importance_sampling_ratio/max": ratios,
+        "sampling/masked_mean": (~keep[t]).float().tolist(),
+        "entropy": (-(scores.exp() * scores).sum(-1)[t]).tolist(),
+        "clip_ratio/region_mean": clipped["region"].tolist(),
+        "clip_ratio/low_mean": low, "clip_ratio/low_min": low,
+        "clip_ratio/high_mean": high, "clip_ratio/high_max": high,
+    }
+    if args.score_centering:
+        stats["sampling/sampler_mass"] = batch.top_sampler_logp.exp().sum(-1)[t].tolist()
+    return stats
+
+
+def record_rows(w: MetricsWindow, batch: MicroBatch, token_budget: int) -> None:
+    """The seed's row metrics of one micro-batch, measured on the rows it forwarded: per row,
+    its samples, tokens and the share of token_budget they use; per micro-batch, the padding
+    in what was forwarded (none in tree rows), the tokens before packing per forwarded token,
+    the forwarded tokens that are not trained, and the costliest row's attention cost over the
+    mean (what a rank running the cheaper rows would wait for)."""
+    for samples, tokens in zip(batch.row_samples, batch.row_tokens):
+        w.add("batch/samples_per_row", samples)
+        w.add("batch/row_tokens_mean", tokens)
+        w.add("batch/row_tokens_max", tokens)
+        w.add("batch/row_fill_frac", tokens / token_budget)
+    forwarded, costs = batch.forwarded_tokens, batch.row_costs
+    w.add("batch/pad_frac", batch.padding / forwarded)
+    w.add("batch/packing_ratio", batch.sample_tokens / forwarded)
+    w.add("batch/masked_token_frac", 1 - batch.trained_positions / forwarded)
+    w.add("batch/row_imbalance", max(costs) / (sum(costs) / len(costs)))
+
+
 @dataclass
 class TrainingRun:
     """The state of one `train()` call. The fields up to `window` exist before any process
@@ -175,7 +258,7 @@ class TrainingRun:
     interrupt_after_step: int | None = None  # train(interrupt_after_step=...)
     window: MetricsWindow = field(default_factory=MetricsWindow)  # since the last log line
     weights: AdapterVersions | None = None
-    batcher: PaddedBatcher | None = None
+    batcher: TokenBudgetBatcher | None = None
     samples: SampleQueue | None = None
     allowance: Any = None  # shared .value: tokens the worker may keep queued or in flight
     worker_metrics: Any = None  # queue of the worker's metric records
@@ -188,9 +271,8 @@ class Step:
     samples: list[Sample] = field(default_factory=list)
     loss: float = 0.0
     microbatches: int = 0
-    forwarded_tokens: int = 0  # padding included
+    forwarded_tokens: int = 0  # what the rows forwarded (padding included, if any)
     sample_tokens: int = 0  # what the samples held in the queue: sets the next allowance
-    attention_costs: list[int] = field(default_factory=list)
     fwd_s: float = 0.0
     fwd_bwd_s: float = 0.0
     wait_s: float = 0.0  # waiting for the worker
@@ -204,7 +286,6 @@ class Step:
         self.microbatches += 1
         self.forwarded_tokens += batch.forwarded_tokens
         self.sample_tokens += sum(s.tokens for s in samples)
-        self.attention_costs.append(batch.attention_cost)
 
 
 class AsyncGRPOTrainer:
@@ -319,8 +400,8 @@ class AsyncGRPOTrainer:
                          self.output_dir / "server.log")
         token_budget = args.token_budget or admin.max_model_len()
         top = args.num_sampler_logprobs if args.score_centering else 1
-        run.batcher = PaddedBatcher(token_budget, args.per_device_train_batch_size, top,
-                                    self.tokenizer.pad_token_id or 0)
+        run.batcher = TokenBudgetBatcher(token_budget, args.per_device_train_batch_size, top,
+                                         self.tokenizer.pad_token_id or 0)
         run.weights = AdapterVersions(admin, self.lora_dir, LORA_NAME, args.max_staleness + 1,
                                       run.version, self._export_adapter)
         current = run.version.value
@@ -361,7 +442,7 @@ class AsyncGRPOTrainer:
         queued_tokens, queued_samples = context.Value("q", 0), context.Value("q", 0)
         run.allowance = context.RawValue("d", float(  # before the first step: full rows
             max(args.max_staleness, 1) * args.gradient_accumulation_steps
-            * run.batcher.token_budget))
+            * run.batcher.capacity))
         signals = WorkerSignals.create(context)
         self.worker = WorkerHandle(context, signals, args.rollout_worker_timeout)
         run.samples = SampleQueue(groups, run.ledger, run.version, args.max_staleness,
@@ -465,52 +546,7 @@ class AsyncGRPOTrainer:
     # ------------------------------------------------------------ the loss
 
     def _loss(self, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
-        args = self.args
-        autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
-                    else contextlib.nullcontext())
-        with autocast:
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                position_ids=batch.position_ids, use_cache=False,
-                                logits_to_keep=batch.width + 1).logits[:, :-1]
-        scores = (logits.float() / args.temperature).log_softmax(-1)
-        logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-        ratio, keep = importance_weights(logp.detach(), batch.sampler_logp,
-                                         args.vllm_importance_sampling_clip_min,
-                                         args.vllm_importance_sampling_clip_max)
-        keep = keep & batch.trained
-        if args.score_centering:
-            topk_logp = scores.gather(-1, batch.top_ids)
-            per_token = centered_score_loss(logp, topk_logp, batch.top_sampler_logp,
-                                            batch.advantages, ratio, keep)
-        else:
-            per_token = clipped_surrogate_loss(logp, batch.sampler_logp, batch.advantages, keep,
-                                               args.epsilon, args.epsilon_high)
-        with torch.no_grad():
-            stats = self._loss_stats(batch, scores, logp.detach(), ratio, keep)
-        return token_mean(per_token, batch.trained), stats
-
-    def _loss_stats(self, batch: MicroBatch, scores, logp, ratio, keep) -> dict[str, list]:
-        """Per-token (per-completion for clip_ratio) values of the seed's sampling metrics."""
-        args, t = self.args, batch.trained
-        diff = (logp - batch.sampler_logp).abs()[t].tolist()
-        ratios = ratio[t].tolist()
-        clipped = clip_fractions(ratio, batch.advantages, t, args.epsilon, args.epsilon_high)
-        low, high = clipped["low"].tolist(), clipped["high"].tolist()
-        stats = {
-            "sampling/sampling_logp_difference/mean": diff,
-            "sampling/sampling_logp_difference/max": diff,
-            "sampling/importance_sampling_ratio/min": ratios,
-            "sampling/importance_sampling_ratio/mean": ratios,
-            "sampling/importance_sampling_ratio/max": ratios,
-            "sampling/masked_mean": (~keep[t]).float().tolist(),
-            "entropy": (-(scores.exp() * scores).sum(-1)[t]).tolist(),
-            "clip_ratio/region_mean": clipped["region"].tolist(),
-            "clip_ratio/low_mean": low, "clip_ratio/low_min": low,
-            "clip_ratio/high_mean": high, "clip_ratio/high_max": high,
-        }
-        if args.score_centering:
-            stats["sampling/sampler_mass"] = batch.top_sampler_logp.exp().sum(-1)[t].tolist()
-        return stats
+        return microbatch_loss(self.model, self.args, batch)
 
     def _learning_rate(self, step: int) -> float:
         args = self.args
@@ -676,17 +712,10 @@ class AsyncGRPOTrainer:
             for name, value in s.rewards_by_func.items():
                 w.add(f"rewards/{name}/mean", value)
                 w.add(f"rewards/{name}/group_std", s.group_std_by_func[name])
-        w.add("batch/samples_per_row", len(samples))
-        w.add("batch/row_tokens_mean", batch.forwarded_tokens)
-        w.add("batch/row_tokens_max", batch.forwarded_tokens)
-        w.add("batch/row_fill_frac", batch.forwarded_tokens / self.run.batcher.token_budget)
-        w.add("batch/pad_frac", 1 - batch.real_tokens / batch.forwarded_tokens)
-        w.add("batch/packing_ratio", 1.0)
-        w.add("batch/masked_token_frac",
-              1 - float(batch.trained.sum()) / batch.forwarded_tokens)
+        record_rows(w, batch, self.run.batcher.token_budget)
 
     def _record_step(self, step: Step, step_s: float) -> None:
-        w, costs = self.run.window, step.attention_costs
+        w = self.run.window
         trained_tokens = sum(sum(s.sequence.trained) for s in step.samples)
         for name, value in (
                 ("loss", step.loss), ("grad_norm", step.grad_norm),
@@ -696,7 +725,6 @@ class AsyncGRPOTrainer:
                 ("batch/samples_per_step", len(step.samples)),
                 ("batch/groups_per_step", len({s.position for s in step.samples})),
                 ("batch/microbatches_per_step", step.microbatches),
-                ("batch/row_imbalance", max(costs) / (sum(costs) / len(costs))),
                 ("perf/step_s", step_s), ("perf/fwd_bwd_s", step.fwd_bwd_s),
                 ("perf/fwd_s", step.fwd_s), ("perf/optimizer_s", step.optimizer_s),
                 ("perf/rollout_wait_s", step.wait_s)):
