@@ -46,11 +46,13 @@ ARMS = {"sync": {"synchronous": True, "schedule_lag": None}, "fixed": {"schedule
         "free": {"schedule_lag": None}}
 
 
-def arm(config: dict, name: str, steps: int, workdir: Path, reward: str) -> dict:
+def arm(config: dict, name: str, steps: int, workdir: Path, reward: str, lag: int) -> dict:
     settings = {k: v for k, v in config["grpo"].items()
                 if k not in ("cut_penalty", "vllm_server_base_url")}
     settings.update(max_steps=steps, save_strategy="no", logging_steps=1, disable_tqdm=True,
                     **ARMS[name])
+    if name == "fixed":
+        settings["schedule_lag"] = lag
     tokenizer = load_tokenizer(config["model"]["path"])
     actor, _ = exports.load_final("sft", "actor", config)
     output_dir = workdir / name
@@ -83,6 +85,10 @@ def arm(config: dict, name: str, steps: int, workdir: Path, reward: str) -> dict
             **means}
 
 
+def shown(value) -> str:
+    return "n/a" if value is None else f"{value:12.3f}"
+
+
 def ensure_sft(config_path: str) -> None:
     """The profile's SFT actor (and the model and corpus it needs), built when missing."""
     if all(path.is_file() for path in layout.final_files("sft")):
@@ -98,6 +104,9 @@ def main() -> None:
     parser.add_argument("--config", default="configs/default.yaml")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--reward", choices=("verifier", "learned"), default="verifier")
+    parser.add_argument("--lag", type=int, default=1, help="the fixed arm's schedule_lag")
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS),
+                        help="arms to run (sync is the baseline of every ratio)")
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of the trainer (the embedded server has 1); with 1 "
                              "the two sides of the async arm each own a core on 2 cores")
@@ -109,16 +118,16 @@ def main() -> None:
     torch.set_num_threads(args.trainer_threads)
     workdir = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     try:
-        arms = {name: arm(config, name, args.steps, workdir, args.reward) for name in ARMS}
+        arms = {name: arm(config, name, args.steps, workdir, args.reward, args.lag)
+                for name in dict.fromkeys(["sync", *args.arms])}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(f"{'':34}" + "".join(f"{name:>12}" for name in arms))
     for key in ("steps", "train_s", "wall_s", "samples", "trained_tokens", "samples_per_s",
                 "trained_tokens_per_s", "stale_dropped", *REPORTED):
-        show = (lambda v: "n/a" if v is None else f"{v:12.3f}")
-        print(f"{key:34}" + "".join(f"{show(a[key]):>12}" for a in arms.values()))
-    ratios = {}
-    for name in ("fixed", "free"):
+        print(f"{key:34}" + "".join(f"{shown(a[key]):>12}" for a in arms.values()))
+    ratios = {"fixed_lag": args.lag} if "fixed" in arms else {}
+    for name in (n for n in arms if n != "sync"):
         for unit in ("samples_per_s", "trained_tokens_per_s"):
             ratios[f"{name}_over_sync_{unit}"] = round(
                 arms[name][unit] / arms["sync"][unit], 3)
