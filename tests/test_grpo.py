@@ -746,3 +746,29 @@ def test_a_fixed_schedule_steps_over_an_empty_block_and_resumes_after_it(tiny_mo
     run("resumed", max_steps=1)
     resumed, _, _ = run("resumed", resume=True)
     assert all(torch.equal(continuous[k], resumed[k]) for k in continuous)
+
+
+@pytest.mark.timeout(400)
+def test_an_interrupt_at_the_last_step_before_empty_blocks_resumes_to_the_same_checkpoint(
+        tiny_model, tmp_path):
+    """One epoch of 4 blocks whose last has no signal: 3 steps. Interrupted after step 3 and
+    resumed, the run walks the empty block as the continuous run does, and both end in the
+    same final checkpoint, byte for byte (version 4, the epoch's end), not the interrupt's."""
+    rows = make_rows(8, flat=[False] * 6 + [True, True])
+
+    def run(name, resume=False, interrupt=None):
+        args = make_args(tmp_path, name, max_staleness=1, schedule_lag=1,
+                         train_sampling_strategy="sequential", num_train_epochs=1)
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=flat_first_rows_reward,
+                                   args=args, train_dataset=rows, log=lambda m: None)
+        torch.seed()  # each run starts from another RNG, as a fresh process would
+        result = trainer.train(resume_from_checkpoint=resume or None,
+                               interrupt_after_step=interrupt)
+        return result.global_step
+
+    assert run("continuous") == 3
+    assert run("resumed", interrupt=3) == 3
+    assert run("resumed", resume=True) == 3
+    final = checkpoint_bytes(tmp_path / "continuous/checkpoint-3")
+    assert json.loads(final["rollout_state.json"])["model_version"] == 4
+    assert checkpoint_bytes(tmp_path / "resumed/checkpoint-3") == final

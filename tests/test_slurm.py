@@ -349,7 +349,8 @@ def test_profile_names_only_rules_of_the_workflow(workflow_copy):
     assert set(profile["set-resources"]) <= rules, set(profile["set-resources"]) - rules
     training = {r for r in rules if r == "base_model" or r.split("_")[0] in (
         "sft", "reward", "ppo", "grpo") and not r.endswith(("_check", "_report"))}
-    assert {"grpo_verifier", "grpo_learned"} <= training
+    assert {f"grpo_{run}_{mode}" for run in ("verifier", "learned")
+            for mode in ("interrupt", "continuous", "resume")} <= training
     generation = {r for r in rules if r.startswith("generate_")}
     assert training | generation <= set(profile["set-resources"])
     for resources in profile["set-resources"].values():

@@ -120,6 +120,11 @@ def history(metrics: Path) -> list[dict]:
             for record in map(json.loads, lines) if record.get("loss") is not None]
 
 
+def as_tensor(data: bytes) -> torch.Tensor:
+    """A file's bytes as a uint8 tensor (frombuffer refuses an empty buffer)."""
+    return torch.frombuffer(bytearray(data or b"\0"), dtype=torch.uint8)[: len(data)]
+
+
 def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
     """A branch state (as `resumable` compares it) from the engine's checkpoint folder."""
     from safetensors.torch import load_file
@@ -135,8 +140,7 @@ def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
         "progress": {"rollout_state": read_json(checkpoint / "rollout_state.json"),
                      "num_tokens": saved["num_tokens"], "loss_sum": saved["loss_sum"],
                      "history": windows},
-        "checkpoint": {str(p.relative_to(checkpoint)): torch.frombuffer(
-            bytearray(p.read_bytes()), dtype=torch.uint8) for p in files},
+        "checkpoint": {str(p.relative_to(checkpoint)): as_tensor(p.read_bytes()) for p in files},
     }
 
 
@@ -173,17 +177,18 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
     stop = interrupt_step(args, len(rows))
     identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
+                "cut_penalty": cut_penalty,
                 "reward_sha256": reward_sha256, "code_sha256": code_hash(f"{branch}_continuous"),
                 "initial_learned": initial}
     windows, resume_from = [], None
     if mode == "resume":
-        interrupted = load_state(layout.state(branch, "interrupt"))
-        difference = first_difference(interrupted["identity"], identity, "identity")
+        saved = load_state(layout.state(branch, "interrupt"))
+        difference = first_difference(saved["identity"], identity, "identity")
         if difference:
             raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
                              f" rerun {branch}_interrupt with the same config, data and code")
-        windows = interrupted["progress"]["history"]
-        resume_from = restore_checkpoint(interrupted, output_dir)
+        windows = saved["progress"]["history"]
+        resume_from = restore_checkpoint(saved, output_dir)
     # the rule's cores are shared: the embedded server takes its threads, the trainer the rest
     # (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is slower, 0.92x)
     if args.embedded_server:
@@ -193,6 +198,10 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
     result = trainer.train(resume_from_checkpoint=resume_from,
                            interrupt_after_step=stop if mode == "interrupt" else None)
     seconds = time.perf_counter() - started
+    reached = result.global_step == stop  # fewer: the run ended first (empty blocks)
+    if mode == "interrupt" and not reached:
+        log(f"warning: {branch} ended after {result.global_step} of the {stop} steps before "
+            "its interrupt: the interrupt state is the run's end, the resume has nothing to do")
     if mode != "resume" and result.global_step and roles.learned_identity(actor) == initial:
         raise ReproError(f"GRPO ({run}) took {result.global_step} steps but left the actor "
                          "unchanged")
@@ -220,6 +229,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
     report = {
         "run": run, "mode": mode, "reward_function": type(reward).__name__,
         "steps": result.global_step, "interrupt_step": stop, "train_loss": result.training_loss,
+        # interrupt mode: False when the run ended before that step (empty blocks train
+        # nothing), and then the resume check compares two runs that were never apart
+        "reached_interrupt_step": reached,
         "first_windows": mean_of(windows[:tenth]), "last_windows": mean_of(windows[-tenth:]),
         "windows": len(windows), "history": windows, "settings": settings,
         "checkpoint": storage,

@@ -5,8 +5,9 @@ exactly once, as a group of samples or as an empty group (a filtered prompt, a g
 signal). A position is *consumed* once every sample of it has been trained or dropped. The
 cursor is the first position not yet consumed; `consumed_after_cursor` holds the positions
 beyond it already consumed (groups finish out of order). The two are what `rollout_state.json`
-keeps, so a resumed worker starts at the cursor, skips exactly those positions, and neither
-skips nor replays a prompt.
+keeps when free-running, so a resumed worker starts at the cursor, skips exactly those
+positions, and neither skips nor replays a prompt (a fixed schedule's checkpoint keeps the next
+block's start alone: the trainer's `_cursor_state`).
 """
 
 from __future__ import annotations

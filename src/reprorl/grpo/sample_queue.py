@@ -90,7 +90,7 @@ class SampleQueue:
         batches: list[list[Sample]] = [[]]
         for position in range(first, last):
             group = self.parked.pop(position, None)
-            if group is None:  # consumed before a resume
+            if group is None:  # consumed before a resume (a free-running checkpoint's cursor)
                 continue
             self.window.merge(group.records)  # in position order: the window is reproducible
             for sample in group.samples:

@@ -16,8 +16,11 @@ versions); the per-run state is one `TrainingRun`.
 Departures from the seed (TRL's trainer): the policy is always a LoRA adapter (weights sync
 through the LoRA path; no merged full-weight sync); one training process; no callbacks, hub or
 optimizer overrides; tools and environments arrive with a later release (`generate_one` is
-where they plug in). The resume cursor also lists the positions already consumed beyond it, so
-a resumed worker neither skips nor replays a prompt.
+where they plug in). Free-running, the resume cursor also lists the positions already
+consumed beyond it, so a resumed worker neither skips nor replays a prompt; on a fixed schedule
+the cursor is the next block's first position, and every later position is generated again
+(seeded by its place, by the version the schedule names), so a checkpoint never depends on which
+groups happened to have arrived.
 """
 
 from __future__ import annotations
@@ -256,6 +259,7 @@ class TrainingRun:
     num_tokens: int = 0  # real (unpadded) tokens trained on so far
     loss_sum: float = 0.0
     interrupt_after_step: int | None = None  # train(interrupt_after_step=...)
+    saved: tuple[int, int] | None = None  # (step, version) of the last checkpoint written
     window: MetricsWindow = field(default_factory=MetricsWindow)  # since the last log line
     weights: AdapterVersions | None = None
     batcher: TokenBudgetBatcher | None = None
@@ -376,6 +380,7 @@ class AsyncGRPOTrainer:
                                      resume=checkpoint is not None),
                           logging_every, save_every, checkpoint, **counters)
         if checkpoint is not None:
+            run.saved = (run.global_step, version)
             self.log(f"resumed from {checkpoint}: step {run.global_step}, next prompt "
                      f"{ledger.cursor}, version {version}")
         return run
@@ -504,6 +509,7 @@ class AsyncGRPOTrainer:
 
     def _save_checkpoint(self) -> Path:
         run = self.run
+        run.saved = (run.global_step, run.version.value)
         directory = self.output_dir / f"checkpoint-{run.global_step}"
         with atomic_directory(directory) as scratch:
             self._export_adapter(scratch / "adapter")
@@ -568,6 +574,9 @@ class AsyncGRPOTrainer:
         step and save a checkpoint there: the run's schedule and end stay those of the whole
         run (as `max_steps` would not), so `resume_from_checkpoint` later finishes it."""
         args = self.args
+        if interrupt_after_step is not None and args.save_strategy == "no":
+            raise ValueError("interrupt_after_step needs a checkpoint to resume from: "
+                             "save_strategy='no' writes none; use save_strategy='steps'")
         self._check_picklable()
         run = self.run = self._new_run(resume_from_checkpoint)
         run.interrupt_after_step = interrupt_after_step
@@ -587,8 +596,11 @@ class AsyncGRPOTrainer:
                 raise
             if self.worker.failed:  # e.g. every position arrived filtered, then it raised
                 raise RuntimeError(self.worker.failure())
-            final = self.output_dir / f"checkpoint-{run.global_step}"
-            if args.save_strategy != "no" and not final.exists():
+            # the last checkpoint may predate blocks that trained nothing (a fixed schedule's
+            # empty blocks still publish versions): the final one holds where the run ended
+            if args.save_strategy != "no" and run.saved != (run.global_step, run.version.value):
+                shutil.rmtree(self.output_dir / f"checkpoint-{run.global_step}",
+                              ignore_errors=True)  # this run's own, from before those blocks
                 self._save_checkpoint()
         finally:
             self._stop_processes()
