@@ -24,9 +24,9 @@ def _pins() -> dict[str, str]:
 
 def _closure(requirements: list[str], extras: set[str]) -> set[str]:
     """Every distribution `requirements` (with `extras` asked for) bring in on this Python."""
-    found, todo = set(), [(Requirement(r), extras) for r in requirements]
-    while todo:
-        requirement, asked = todo.pop()
+    found, pending = set(), [(Requirement(r), extras) for r in requirements]
+    while pending:
+        requirement, asked = pending.pop()
         if requirement.marker and not any(requirement.marker.evaluate({"extra": extra})
                                           for extra in asked | {""}):
             continue
@@ -34,7 +34,7 @@ def _closure(requirements: list[str], extras: set[str]) -> set[str]:
         if (name, frozenset(requirement.extras)) in found:
             continue
         found.add((name, frozenset(requirement.extras)))
-        todo += [(Requirement(r), set(requirement.extras))
+        pending += [(Requirement(r), set(requirement.extras))
                  for r in metadata.requires(name) or []]
     return {name for name, _ in found}
 

@@ -353,6 +353,7 @@ def exercise(config: dict) -> dict:
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
+    run_info = None
     if name == "reward_test":
         summary = reward_test(config)
     elif name == "exercise":
@@ -362,11 +363,8 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         # not recorded as inputs: re-running an upstream stage to identical outputs must not
         # make the audit call the results stale
         summary = evaluate(config, list(POLICIES))
-        timings = stage_timings()
-        log("stage timings (wall seconds, peak RSS MB): " + json.dumps(timings))
-        run.finish(summary=summary, run_info={"stage_timings": timings})
-        log(str(summary))
-        return summary
-    run.finish(summary=summary)
+        run_info = {"stage_timings": stage_timings()}
+        log("stage timings (wall seconds, peak RSS MB): " + json.dumps(run_info))
+    run.finish(summary=summary, run_info=run_info)
     log(str(summary))
     return summary

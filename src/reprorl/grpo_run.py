@@ -40,8 +40,9 @@ from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .grpo.metrics import reproducible
 from .manifest import (atomic_write_bytes, peak_rss_mb, read_json, refuse_to_overwrite,
                        write_json)
+from .resumable import interrupt_state
 from .rubric import evaluate_response
-from .state import first_difference, load_state, save_state
+from .state import save_state
 
 
 class RubricVerifier:
@@ -182,11 +183,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
                 "initial_learned": initial}
     windows, resume_from = [], None
     if mode == "resume":
-        saved = load_state(layout.state(branch, "interrupt"))
-        difference = first_difference(saved["identity"], identity, "identity")
-        if difference:
-            raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
-                             f" rerun {branch}_interrupt with the same config, data and code")
+        saved = interrupt_state(branch, identity)
         windows = saved["progress"]["history"]
         resume_from = restore_checkpoint(saved, output_dir)
     # the rule's cores are shared: the embedded server takes its threads, the trainer the rest

@@ -27,6 +27,17 @@ from .roles import Role, frozen_identity, learned_identity, learned_state, load_
 from .state import first_difference, load_state, restore_rng, rng_state, save_state
 
 
+def interrupt_state(branch: str, identity: dict) -> dict:
+    """`branch`'s interrupt state, refused (naming the first difference) unless it was written
+    under `identity`."""
+    state = load_state(layout.state(branch, "interrupt"))
+    difference = first_difference(state["identity"], identity, "identity")
+    if difference:
+        raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
+                         f" rerun {branch}_interrupt with the same config, data and code")
+    return state
+
+
 class ResumableRun:
     def __init__(self, branch: str, identity: dict, roles: dict[str, Role],
                  optimizers: dict[str, torch.optim.Optimizer],
@@ -41,12 +52,7 @@ class ResumableRun:
 
     def resume(self) -> tuple[int, dict]:
         """Restore the interrupt state into this run; returns (updates, progress)."""
-        state = load_state(layout.state(self.branch, "interrupt"))
-        difference = first_difference(state["identity"], self.identity, "identity")
-        if difference:
-            raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
-                             f" rerun {self.branch}_interrupt with the same config, data and "
-                             "code")
+        state = interrupt_state(self.branch, self.identity)
         for name, role in self.roles.items():
             load_learned(role, state["learned"][name])
         for name, optimizer in self.optimizers.items():
