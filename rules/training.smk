@@ -2,7 +2,7 @@
 # and critic (against the frozen reward model and reference), and the two async GRPO runs from
 # the SFT actor on the 672 rollout prompts (a: the rubric as an exact verifier on the train
 # families, b: the frozen learned reward model; the trainer, a spawned rollout worker and the
-# embedded generation server share the rule's two threads). Each runs three times:
+# embedded generation server share the rule's one thread). Each runs three times:
 # interrupted (after SFT/reward epoch 1, PPO iteration 40, half the GRPO steps), resumed from
 # that state in a fresh process, and straight through; `<branch>_resume_check` passes only if
 # resume and continuous end in bitwise-equal states. The resume's exports are the policy.
