@@ -1,53 +1,75 @@
-"""KV-cached sampling against the seed's no-cache sampling, side by side in one run.
+"""The stages' sampler against the seed's no-cache sampling, side by side in one run.
 
-Same model, same prompts, same seeds: both samplers must draw the same tokens; the ratio of
-their wall times is printed. Two comparisons on the default model:
-- sampling alone (`sample` vs `sample_without_cache`);
-- a whole PPO rollout as the seed computes it: at each visited prefix, no-cache forwards of the
-  actor (to sample), the reference (its log-prob of the token) and the critic (V on the
-  prefix), against ours: cached sampling, then one teacher-forced pass of the reference and one
-  of the critic over the finished sequence (same log-probs and values, checked).
-Run after the base model exists:
+Same model, same prompts, same seeds; three samplers, which must draw the same tokens:
+- `no_cache`: the seed's, the whole prefix recomputed for every token, one prompt at a time;
+- `cache`: one prompt at a time against transformers' growing KV cache (`sampling.sample`);
+- `engine`: what PPO runs, `sampling.sample_many` on PPO's 4 prompts of an iteration: KV slots
+  allocated once, each prompt prefilled alone, one fixed-shape decode step of 4 rows per token
+  (a prompt's bits do not depend on the other three, `tests/test_sampling.py`).
+Two comparisons on the default model: sampling alone, and a whole PPO rollout as the seed
+computes it (at each visited prefix, no-cache forwards of the actor to sample, the reference
+for its log-prob and the critic for V) against PPO's (the engine, then one teacher-forced
+left-padded pass of the reference and one of the critic over the 4 finished sequences; same
+log-probs and values, checked to 1e-4). The model is the profile's `assets/model`, built first
+by `snakemake base_model` when missing; the corpus likewise (`snakemake prepare`).
 
-    python benchmarks/sampling.py                  # default model (assets/model) + 0.5B dims
+    python benchmarks/sampling.py                  # default model + Qwen2.5-0.5B dimensions
     python benchmarks/sampling.py --skip-real-dims # default model only
 
 The 0.5B case is a randomly initialised Qwen2 of Qwen2.5-0.5B's dimensions (no hub access
-here), float32 on CPU, with random prompt ids; it measures the cost of the two algorithms at
-the real size, not answer quality.
+here), float32 on CPU, with random prompt ids; it measures the cost of the algorithms at the
+real size, not answer quality. Printed last, one JSON line: `sampling_speedup` and
+`rollout_speedup` (the engine's against no-cache), and the single-sequence cache's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from reprorl.sampling import sample, sample_without_cache
+from reprorl.sampling import sample, sample_many, sample_without_cache
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                 tie_word_embeddings=True, max_position_embeddings=32768)
+BATCH = 4  # PPO's prompts per iteration, decoded together
+MAX_LEN = 512  # a KV slot: prompt + response at most
+
+
+def generators(seed: int, count: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed + i) for i in range(count)]
 
 
 def compare(model, prompts: list[list[int]], eos_id: int, max_new_tokens: int, seed: int):
-    timings, same = {"cache": 0.0, "no_cache": 0.0}, True
-    tokens = 0
-    for index, prompt in enumerate(prompts):
+    """The three samplers on the same prompts, alternating batch by batch."""
+    timings = {"no_cache": 0.0, "cache": 0.0, "engine": 0.0}
+    same, tokens = True, 0
+    for first in range(0, len(prompts), BATCH):
+        batch = prompts[first:first + BATCH]
         results = {}
-        for name, sampler in (("no_cache", sample_without_cache), ("cache", sample)):
-            generator = torch.Generator().manual_seed(seed + index)
+        for name in timings:
+            draws = generators(seed + first, len(batch))
             start = time.perf_counter()
-            results[name] = sampler(model, prompt, max_new_tokens, eos_id, generator)
+            if name == "engine":
+                results[name] = sample_many(model, batch, max_new_tokens, eos_id, MAX_LEN,
+                                            draws, rows=BATCH)
+            else:
+                one = sample if name == "cache" else sample_without_cache
+                results[name] = [one(model, p, max_new_tokens, eos_id, g)
+                                 for p, g in zip(batch, draws)]
             timings[name] += time.perf_counter() - start
-        same &= results["cache"].response_ids == results["no_cache"].response_ids
-        tokens += len(results["cache"].response_ids)
+        ids = {name: [r.response_ids for r in rows] for name, rows in results.items()}
+        same &= ids["engine"] == ids["cache"] == ids["no_cache"]
+        tokens += sum(len(r) for r in ids["engine"])
     return {"prompts": len(prompts), "sampled_tokens": tokens, "same_tokens": same,
-            "seconds": timings, "speedup": timings["no_cache"] / timings["cache"]}
+            "seconds": timings, "speedup": timings["no_cache"] / timings["engine"],
+            "cache_speedup": timings["no_cache"] / timings["cache"]}
 
 
 @torch.inference_mode()
@@ -70,16 +92,21 @@ def seed_rollout(roles: dict, prompt: list[int], max_new_tokens: int, eos_id: in
 
 
 @torch.inference_mode()
-def our_rollout(roles: dict, prompt: list[int], max_new_tokens: int, eos_id: int, pad_id: int,
-                generator):
-    """Ours: cached sampling, then one teacher-forced pass each for reference and critic."""
+def ppo_rollouts(roles: dict, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+                 pad_id: int, draws) -> list[tuple]:
+    """PPO's: the engine samples the batch, then one teacher-forced pass each for reference
+    and critic over the left-padded batch."""
     from reprorl.encoding import Example, collate
 
-    result = sample(roles["actor"].backbone, prompt, max_new_tokens, eos_id, generator)
-    batch = collate([Example("x", tuple(prompt), tuple(result.response_ids))], pad_id)
+    results = sample_many(roles["actor"].backbone, prompts, max_new_tokens, eos_id, MAX_LEN,
+                          draws, rows=BATCH)
+    batch = collate([Example("x", tuple(p), tuple(r.response_ids))
+                     for p, r in zip(prompts, results)], pad_id)
     reference, _ = roles["reference"].token_logprobs(batch)
     values, _ = roles["critic"].values(batch)
-    return result.response_ids, reference[0].tolist(), values[0].tolist()
+    mask = batch.response_mask[:, -reference.shape[1]:]
+    return [(r.response_ids, reference[i][mask[i]].tolist(), values[i][mask[i]].tolist())
+            for i, r in enumerate(results)]
 
 
 def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
@@ -93,23 +120,40 @@ def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
     tokenizer = load_tokenizer(path)
     pages = corpus.read("train/pages.json", "learning")[:count]
     prompts = [prompt_ids(tokenizer, p["prompt"], {"prompt_tokens": 256}) for p in pages]
-    timings, same, close, tokens = {"cache": 0.0, "no_cache": 0.0}, True, True, 0
-    for index, prompt in enumerate(prompts):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    timings, same, close, tokens = {"no_cache": 0.0, "engine": 0.0}, True, True, 0
+    for first in range(0, len(prompts), BATCH):
+        batch = prompts[first:first + BATCH]
         start = time.perf_counter()
-        theirs = seed_rollout(built, prompt, max_new_tokens, tokenizer.eos_token_id,
-                              torch.Generator().manual_seed(seed + index))
+        theirs = [seed_rollout(built, p, max_new_tokens, eos, g)
+                  for p, g in zip(batch, generators(seed + first, len(batch)))]
         timings["no_cache"] += time.perf_counter() - start
         start = time.perf_counter()
-        ours = our_rollout(built, prompt, max_new_tokens, tokenizer.eos_token_id,
-                           tokenizer.pad_token_id, torch.Generator().manual_seed(seed + index))
-        timings["cache"] += time.perf_counter() - start
-        same &= ours[0] == theirs[0]
-        for a, b in zip(ours[1:], theirs[1:]):
-            close &= bool(torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4))
-        tokens += len(ours[0])
+        ours = ppo_rollouts(built, batch, max_new_tokens, eos, pad,
+                            generators(seed + first, len(batch)))
+        timings["engine"] += time.perf_counter() - start
+        for mine, seeds in zip(ours, theirs):
+            same &= mine[0] == seeds[0]
+            for a, b in zip(mine[1:], seeds[1:]):
+                close &= len(a) == len(b) and bool(
+                    torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4))
+            tokens += len(mine[0])
     return {"prompts": len(prompts), "sampled_tokens": tokens, "same_tokens": same,
             "same_reference_logprobs_and_values": close, "seconds": timings,
-            "speedup": timings["no_cache"] / timings["cache"]}
+            "speedup": timings["no_cache"] / timings["engine"]}
+
+
+def ensure_built(path: str) -> None:
+    """The profile's base model and corpus, built by Snakemake when missing."""
+    from reprorl import layout
+
+    targets = [target for target, ready in (
+        ("base_model", Path(path, "config.json").is_file()),
+        ("prepare", (layout.CORPUS / "train/pages.json").is_file())) if not ready]
+    if targets:
+        command = [sys.executable, "-m", "snakemake", "--cores", "all", *targets]
+        print("building first:", " ".join(command), flush=True)
+        subprocess.run(command, check=True)
 
 
 def default_model(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
@@ -141,12 +185,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="assets/model")
     parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--real-dims-prompts", type=int, default=2)
+    parser.add_argument("--real-dims-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=249)
     parser.add_argument("--skip-real-dims", action="store_true")
     parser.add_argument("--out", default="outputs/benchmarks/sampling.json")
     args = parser.parse_args()
+    ensure_built(args.model)
     torch.use_deterministic_algorithms(True)
     report = {
         "default_model_sampling": default_model(args.model, args.prompts, args.seed,
@@ -158,13 +203,22 @@ def main() -> int:
         report["qwen2.5_0.5b_dimensions"] = real_dimensions(args.real_dims_prompts, args.seed,
                                                             args.max_new_tokens)
     for name, row in report.items():
+        times = " / ".join(f"{arm} {seconds:.2f}s" for arm, seconds in row["seconds"].items())
         print(f"{name}: {row['prompts']} prompts, {row['sampled_tokens']} tokens, same tokens: "
-              f"{row['same_tokens']}, no-cache {row['seconds']['no_cache']:.2f}s / cache "
-              f"{row['seconds']['cache']:.2f}s = {row['speedup']:.2f}x")
+              f"{row['same_tokens']}, {times}: engine {row['speedup']:.2f}x no-cache")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     same = all(r["same_tokens"] and r.get("same_reference_logprobs_and_values", True)
                for r in report.values())
+    sampling = report["default_model_sampling"]
+    figures = {"sampling_speedup": round(sampling["speedup"], 3),
+               "rollout_speedup": round(report["default_model_rollout"]["speedup"], 3),
+               "single_sequence_cache_speedup": round(sampling["cache_speedup"], 3),
+               "same_tokens": same}
+    if "qwen2.5_0.5b_dimensions" in report:
+        figures["sampling_speedup_0.5b_dims"] = round(
+            report["qwen2.5_0.5b_dimensions"]["speedup"], 3)
+    print(json.dumps(figures))
     return 0 if same else 1
 
 

@@ -564,6 +564,7 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
     from aiohttp.test_utils import TestClient, TestServer
     from transformers import AutoModelForCausalLM
 
+    from reprorl.engine import cache_argument
     from reprorl.grpo import server as embedded
 
     _, tokenizer = reference
@@ -587,7 +588,7 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
                                                  dtype=torch.float32).eval()
     args = embedded.arguments(["--model", str(tiny_model), "--max-model-len", str(MAX_LEN)])
     server = embedded.Server(args, Faulty(inner), tokenizer)
-    server.engine.cache_arg = embedded.cache_argument(inner)
+    server.engine.cache_arg = cache_argument(inner)
     good = [{"prompt": [11 + i, 12, 13], "max_tokens": 12, "seed": i, "ignore_eos": True,
              "return_token_ids": True} for i in range(3)]
     bad = [{"prompt": [11, raising, 13], "max_tokens": 12},

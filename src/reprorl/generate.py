@@ -21,7 +21,7 @@ from .errors import HeldOutError, ReproError
 from .exports import load_final
 from .manifest import peak_rss_mb, read_input, write_json
 from .progress import progress
-from .sampling import response_text, sample
+from .sampling import response_text, sample_many
 
 ROWS, DISTINCT_PROMPTS = 260, 200
 
@@ -57,10 +57,13 @@ def generate(config: dict, policy: str, log=print) -> dict:
     limits, eos, pad = config["limits"], tokenizer.eos_token_id, tokenizer.pad_token_id
     rows, by_prompt = [], {}
     started = time.perf_counter()
-    bar = progress(len(pages), f"generate {policy}")
-    for page in pages:
-        ids = prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
-        result = sample(actor.backbone, ids, limits["response_tokens"], eos)
+    prompts = [prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
+               for page in pages]
+    # every row is sampled, repeats too: their equality below is a check of batch invariance
+    results = sample_many(actor.backbone, prompts, limits["response_tokens"], eos,
+                          limits["context_tokens"])
+    bar = progress(len(pages), f"score {policy}")
+    for page, ids, result in zip(pages, prompts, results):
         text = response_text(tokenizer, result)
         batch = collate([Example(page["document_id"], tuple(ids), tuple(result.response_ids))],
                         pad)

@@ -1,18 +1,20 @@
 """PPO with four roles: actor and critic learn, reference and reward model stay frozen.
 
 One iteration: draw 4 of the 672 rollout prompts (own permutation generator, reshuffled when
-exhausted), sample one response each from the actor with a KV cache (temperature 1, full
-vocabulary, response <= 64 tokens) recording the behaviour log-probs, then score the visited
-prefixes with the reference (log-probs) and the critic (values) and the finished responses with
-the reward model, all detached. Targets come from `objectives`; then 2 updates of the actor and
+exhausted), sample one response each from the actor, the 4 decoded together by the
+batch-invariant engine (`sampling.sample_many`; temperature 1, full vocabulary, response <= 64
+tokens, each with its own generator seeded from the run's) recording the behaviour log-probs,
+then score the visited prefixes with the reference (log-probs) and the critic (values) and the
+finished responses with the reward model, all detached. Targets come from `objectives`; then 2 updates of the actor and
 of the critic (two AdamW optimisers) on that same batch, the old log-probs and values never
 replaced. 100 iterations: 400 responses, 200 actor and 200 critic updates.
 
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no
 rollout is ever pending in a state; `resume` runs the last 60 in a fresh process; `continuous`
 runs 100. `ppo_resume_check` passes only on bitwise equality of the two final states.
-Departures from the seed: sampling uses a KV cache (the seed recomputes the prefix per token:
-same distribution, ~Nx faster, see benchmarks/sampling.py); the 4 responses of an iteration are
+Departures from the seed: sampling uses preallocated KV slots and decodes the 4 responses
+together (the seed recomputes the prefix per token, one response at a time: same distribution,
+same tokens, 3.5x faster, `benchmarks/sampling.py`); the 4 responses of an iteration are
 scored in one left-padded batch.
 """
 
@@ -41,7 +43,7 @@ from .manifest import (
 from .progress import progress
 from .resumable import ResumableRun, optimizer_step
 from .rubric import evaluate_response
-from .sampling import response_text, sample
+from .sampling import response_text, sample_many
 from .schedule import linear_warmup_decay
 from .state import seed_everything
 
@@ -101,14 +103,18 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
             limits, timer: PhaseTimer) -> tuple[list[dict], dict]:
     """Sample, score and build the targets of one iteration's responses."""
     actor = roles_["actor"]
-    examples, samples = [], []
     with timer("generation"):
-        for page in pages:
-            ids = prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
-            result = sample(actor.backbone, ids, limits["response_tokens"],
-                            tokenizer.eos_token_id, generator, TEMPERATURE)
-            samples.append(result)
-            examples.append(Example(page["document_id"], tuple(ids), tuple(result.response_ids)))
+        prompts = [prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
+                   for page in pages]
+        # one generator per response, seeded from the run's: a response's draws do not depend
+        # on what is sampled beside it; the iteration's responses decode as one group of rows
+        seeds = torch.randint(2**62, (len(prompts),), generator=generator).tolist()
+        samples = sample_many(actor.backbone, prompts, limits["response_tokens"],
+                              tokenizer.eos_token_id, limits["context_tokens"],
+                              [torch.Generator().manual_seed(seed) for seed in seeds],
+                              TEMPERATURE, rows=PROMPTS_PER_ITERATION)
+    examples = [Example(page["document_id"], tuple(ids), tuple(result.response_ids))
+                for page, ids, result in zip(pages, prompts, samples)]
     batch = collate(examples, tokenizer.pad_token_id)
     width = roles.Role.response_width(batch)
     mask = batch.response_mask[:, -width:]

@@ -1,10 +1,15 @@
 """Autoregressive sampling with a KV cache, recording the behaviour log-probs as it goes.
 
-One sequence at a time (no padding to get wrong): the prompt is encoded once, then each new
-token is fed alone against the cache. At every visited prefix the sampler keeps the log-prob of
-the token it drew under the distribution it drew from (temperature applied, full vocabulary, no
-top-k/top-p). Greedy decoding is `generator=None`. A response that reaches `max_new_tokens`
-without EOS is returned with finish reason "cut".
+At every visited prefix the sampler keeps the log-prob of the token it drew under the
+distribution it drew from (temperature applied, full vocabulary, no top-k/top-p). Greedy
+decoding is `generator=None`. A response that reaches `max_new_tokens` without EOS is returned
+with finish reason "cut". Two samplers:
+- `sample_many`, what the stages use: many prompts at once through the embedded server's
+  engine (`engine.Engine`, run in the caller's thread): KV slots allocated once, each
+  prompt prefilled alone, decode steps of a fixed number of rows. A prompt's tokens and
+  log-probs are bitwise the same whatever is sampled beside it, so a batch is only a speed-up
+  (one weight read per step serves every row; a lone decode is bound by that read here).
+- `sample`, one sequence against transformers' growing cache; kept for the benchmarks.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Qwen2ForCausalLM
+
+from .engine import Engine, Params, Sequence
+from .errors import ReproError
 
 # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
 _CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else (
@@ -53,6 +61,35 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
         output = model(input_ids=torch.tensor([[token]]), use_cache=True, logits_to_keep=1,
                        **{_CACHE: output[_CACHE]})
     return Sample(tokens, logprobs, "cut")
+
+
+FINISH = {"stop": "eos", "length": "cut"}  # the engine's (vLLM's) finish reasons, and ours
+
+
+@torch.inference_mode()
+def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
+                max_len: int, generators: list[torch.Generator] | None = None,
+                temperature: float = 1.0, rows: int = 16, slots: int = 64) -> list[Sample]:
+    """Each prompt's `Sample`, `slots` sequences at a time in decode groups of `rows` rows
+    (a row's bits depend on `rows`, never on the other rows: keep it fixed per use). Greedy
+    when `generators` is None; else prompt i draws with `generators[i]`. `max_len` bounds
+    prompt + response (the length of a KV slot)."""
+    greedy = generators is None
+    params = Params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
+                    logprobs=0, eos_id=eos_id)
+    seqs = [Sequence(list(prompt), params, None, None if greedy else generators[i])
+            for i, prompt in enumerate(prompts)]
+    too_long = [i for i, prompt in enumerate(prompts) if len(prompt) + max_new_tokens > max_len]
+    if too_long:
+        raise ReproError(f"prompts {too_long} leave no room for {max_new_tokens} new tokens "
+                         f"within {max_len}: raise limits.context_tokens")
+    slots = max(rows, min(slots, -(-len(seqs) // rows) * rows))
+    Engine(model, {}, slots, slots * max_len, max_len, rows).generate(seqs)
+    failed = [seq.error.message for seq in seqs if seq.error is not None]
+    if failed:
+        raise ReproError(f"{len(failed)} of {len(seqs)} generations failed: {failed[0]}")
+    return [Sample(seq.generated, [lp for lp, _, _ in seq.logprobs], FINISH[seq.finish_reason])
+            for seq in seqs]
 
 
 def response_text(tokenizer, result: Sample) -> str:

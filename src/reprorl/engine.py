@@ -1,0 +1,391 @@
+"""The batch-invariant generation engine behind `reprorl serve` and the stages' sampling.
+
+Continuous batching over preallocated KV slots (one per running sequence, from offset 0, in
+whole groups of `rows` slots): each step admits waiting sequences FIFO into the lowest free
+slots, prefills each alone, and decodes every group of slots that holds a running sequence in
+one forward of a fixed shape, whatever adapters they use. So a sequence's tokens, log-probs and
+top log-probs are bitwise the same whatever else runs beside it. Log-probs are vLLM's
+`processed_logprobs` (after temperature, min-p, top-k, top-p; raw log-softmax when greedy); each
+sequence samples with its own generator. `grpo/server.py` runs the engine in a background
+thread behind vLLM's HTTP API; `sampling.sample_many` drives it in the caller's thread
+(`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per sequence, not paged
+blocks; no preemption (a sequence waits for a free slot); sampling is `torch.multinomial`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+log = logging.getLogger("reprorl.serve")
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ApiError(Exception):
+    """A failure with its HTTP status (the server answers it in vLLM's JSON error shape)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    weights: dict  # module name -> (A, B, scale)
+
+@dataclass
+class Params:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    eos_id: int | None = None
+    stop_ids: frozenset = frozenset()
+
+
+def processed_logprobs(logits: torch.Tensor, p: Params) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from (filtered tokens get -inf)."""
+    logits = logits.float()
+    if p.temperature < GREEDY_EPS:
+        return logits.log_softmax(-1)
+    logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), -math.inf)
+    if 0 < p.top_k < logits.numel():
+        logits = logits.masked_fill(logits < logits.topk(p.top_k).values[-1], -math.inf)
+    if p.top_p < 1:
+        ordered, order = logits.sort()  # ascending, as vLLM's apply_top_k_top_p
+        drop = ordered.softmax(-1).cumsum(-1) <= 1 - p.top_p
+        drop[-1] = False  # keep at least one token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), -math.inf)
+    return logits.log_softmax(-1)
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: Params
+    adapter: Adapter | None  # a reference: an unloaded adapter stays usable until this ends
+    generator: torch.Generator
+    future: asyncio.Future | None = None  # None: driven by `Engine.generate`, nobody awaits
+    loop: asyncio.AbstractEventLoop | None = None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # (sampled lp, top ids, top lps) per token
+    slot: int | None = None  # its row of the KV slots while it runs
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    aborted: bool = False
+    error: ApiError | None = None  # this request failed; the others go on
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def resolve(self, error: Exception | None = None) -> None:
+        if self.loop is None:  # `Engine.generate` reads the outcome from the sequence itself
+            return
+
+        def settle():
+            if not self.future.done():
+                self.future.set_exception(error) if error else self.future.set_result(self)
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits
+            self.loop.call_soon_threadsafe(settle)
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's KV slots, [slots, kv heads, max_model_len, head dim], allocated once: each
+    running sequence owns one row from offset 0. A decode step works on one window of rows and
+    of length (`window`): it writes the new key and value of each decoding row at that row's
+    own position and attends over the window's length, the positions beyond each row masked
+    out; the window's other rows compute but write nothing."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+        self.window = (0, 0, 0)  # first row, end row, length
+        self.rows = self.positions = None  # decoding rows (in the window) and their positions
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated up front
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        first, end, length = self.window
+        keys, values = self.keys[first:end, :, :length], self.values[first:end, :, :length]
+        keys[self.rows, :, self.positions] = key_states[self.rows, :, 0]
+        values[self.rows, :, self.positions] = value_states[self.rows, :, 0]
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.window[2], 0
+
+    def get_seq_length(self) -> int:
+        return self.window[2] - 1  # queries sit at the last place: no causal cut
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+def cache_argument(model) -> str:
+    """The forward argument that takes a KV cache (transformers 5.2x renamed it)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+        "past_key_values")
+
+
+class Engine(threading.Thread):
+    """Continuous batching in a background thread; the event loop only submits and awaits.
+
+    Batch invariance: a request's tokens and log-probs are bitwise the same whatever runs
+    beside it. The slots are decoded in groups of `rows` consecutive slots, one forward of
+    exactly `rows` rows per group that holds a decoding sequence, whichever adapters they use
+    (a CPU GEMM's row result depends on how many rows there are, measured here: below 11 to
+    16 rows the bits differ from above, but at a fixed count not on the row's place or the
+    other rows' values); the attended
+    length is the group's longest row rounded up to 64 (with the positions beyond each row
+    masked, the result does not depend on that length, measured); a prompt is prefilled alone;
+    a sequence keeps its slot until it ends, so nothing is ever recomputed (no preemption: a
+    request waits for a free slot). `tests/test_server.py` checks the invariance end to end.
+    """
+
+    def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
+                 capacity: int, max_len: int, rows: int = 16):
+        """`switches`: the model's adapter layers (`server.Switch`) by name; {} for none."""
+        super().__init__(name="engine", daemon=True)
+        self.model, self.switches, self.max_len = model, switches, max_len
+        slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
+        self.rows = min(rows, slots)
+        self.slots = slots // self.rows * self.rows  # whole groups only: one shape each
+        self.capacity = self.slots * max_len
+        self.free = list(range(self.slots))
+        self.cache = None  # the KV slots, allocated at the first prefill (its shapes, dtype)
+        self.cache_arg = cache_argument(model)
+        self.cond = threading.Condition()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stopping = False
+        self.counters = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.successes = dict.fromkeys(FINISH_REASONS, 0)
+
+    def generate(self, seqs: list[Sequence]) -> None:
+        """Run `seqs` to their ends in the caller's thread, the same steps the background
+        thread takes (so the same bits): in-process generation, no HTTP, the thread unused.
+        A sequence that failed keeps its `error`."""
+        self.waiting.extend(seqs)
+        with torch.inference_mode():
+            while self.waiting or self.running:
+                self.step(self.schedule())
+
+    def submit(self, seq: Sequence) -> None:
+        with self.cond:
+            self.waiting.append(seq)
+            self.cond.notify()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    def kv_in_use(self) -> int:
+        return sum(s.length for s in list(self.running))
+
+    def run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self.cond:
+                        while not (self.stopping or self.waiting or self.running):
+                            self.cond.wait()
+                        if self.stopping:
+                            return
+                        newcomers = self.schedule()
+                    try:
+                        self.step(newcomers)
+                    except Exception as error:  # a bug outside one sequence's work
+                        log.exception("engine step failed")
+                        for seq in list(self.running):
+                            self.release(seq)
+                            seq.resolve(ApiError(500, f"generation failed: {error}"))
+        finally:  # stopped or broken: /health turns 503 and nobody is left waiting
+            with self.cond:
+                left, self.running, self.waiting = [*self.running, *self.waiting], [], deque()
+            for seq in left:
+                seq.resolve(ApiError(503, "The engine has stopped."))
+
+    def schedule(self) -> list[Sequence]:
+        """Drop aborted requests (their slots free up), then admit waiting ones FIFO into free
+        slots. A request always fits its slot: prompt + max_tokens <= max_model_len."""
+        for seq in [s for s in self.running if s.aborted]:
+            self.release(seq)
+            self.finish(seq, "abort")
+        for seq in [s for s in self.waiting if s.aborted]:
+            self.waiting.remove(seq)
+            self.finish(seq, "abort")
+        newcomers = []
+        while self.waiting and self.free:
+            seq = self.waiting.popleft()
+            seq.slot = self.free.pop(0)
+            self.counters["prompt_tokens"] += len(seq.prompt)
+            self.running.append(seq)
+            newcomers.append(seq)
+        return newcomers
+
+    def release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.free.append(seq.slot)
+        self.free.sort()
+
+    def step(self, newcomers: list[Sequence]) -> None:
+        decoding = [s for s in self.running if s not in newcomers]
+        if decoding:
+            try:
+                rows = self.decode(decoding)
+            except Exception:  # a fault outside one sequence: replay each alone to find it
+                log.exception("a decode step failed; decoding its %d rows alone", len(decoding))
+                rows = {seq.slot: self.guarded(seq, lambda s=seq: self.decode([s])[s.slot])
+                        for seq in decoding}
+            for seq in decoding:
+                if rows.get(seq.slot) is not None:
+                    self.guarded(seq, self.sample, seq, rows[seq.slot])
+        for seq in newcomers:
+            self.guarded(seq, self.prefill, seq)
+        with self.cond:
+            for seq in [s for s in self.running if s.finish_reason or s.error]:
+                self.release(seq)
+                if seq.error is None:
+                    self.finish(seq, seq.finish_reason)
+                else:
+                    seq.resolve(seq.error)
+
+    def guarded(self, seq: Sequence, work, *args):
+        """`work(*args)`; an exception fails `seq` (its request gets a 500), nothing else."""
+        try:
+            return work(*args)
+        except Exception as error:
+            log.exception("a request failed while generating")
+            seq.error = ApiError(500, f"generation failed: {type(error).__name__}: {error}")
+            return None
+
+    def prefill(self, seq: Sequence) -> None:
+        """The prompt alone (its own shape, whatever else runs), its KV copied into its slot."""
+        self.activate(seq.adapter)
+        try:
+            output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
+                                logits_to_keep=1)
+        finally:
+            self.activate(None)
+        layers = output[self.cache_arg].layers
+        if self.cache is None:
+            self.cache = self.allocate(layers)
+        for slot_layer, layer in zip(self.cache.layers, layers):
+            # zeroed first: a masked position still meets its weight 0 in the attention sum,
+            # and 0 x Inf left by an earlier occupant would be NaN
+            slot_layer.keys[seq.slot].zero_()
+            slot_layer.values[seq.slot].zero_()
+            slot_layer.keys[seq.slot, :, :seq.length] = layer.keys[0]
+            slot_layer.values[seq.slot, :, :seq.length] = layer.values[0]
+        self.sample(seq, output.logits[0, -1])
+
+    def allocate(self, layers) -> Cache:
+        shapes = [(self.slots, layer.keys.shape[1], self.max_len, layer.keys.shape[3])
+                  for layer in layers]
+        log.info("KV slots: %d x %d tokens x %d layers", self.slots, self.max_len, len(layers))
+        return Cache(layers=[SlotLayer(layer.keys.new_zeros(shape), layer.values.new_zeros(shape))
+                             for layer, shape in zip(layers, shapes)])
+
+    def activate(self, adapter: Adapter | None) -> None:
+        weights = adapter.weights if adapter else {}
+        for name, switch in self.switches.items():
+            switch.active = weights.get(name)
+
+    def decode(self, decoding: list[Sequence]) -> dict[int, torch.Tensor]:
+        """One token for each of `decoding`: one forward per group of `rows` slots that holds
+        one of them. Returns the logits by slot."""
+        groups: dict[int, list[Sequence]] = {}
+        for seq in decoding:
+            groups.setdefault(seq.slot // self.rows, []).append(seq)
+        logits = {}
+        for group, members in sorted(groups.items()):
+            logits.update(self.decode_group(group * self.rows, members))
+        return logits
+
+    def decode_group(self, first: int, members: list[Sequence]) -> dict[int, torch.Tensor]:
+        """Slots [first, first + rows) in one forward of that fixed shape; the slots without a
+        decoding sequence decode a dummy token at position 0 and keep their caches."""
+        ids = torch.zeros(self.rows, 1, dtype=torch.long)
+        positions = torch.zeros(self.rows, dtype=torch.long)
+        by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
+        for seq in members:
+            row = seq.slot - first
+            ids[row, 0], positions[row] = seq.generated[-1], seq.length - 1
+            if seq.adapter is not None:
+                by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(row)
+        chosen = {}
+        for key, (_, rows) in by_adapter.items():
+            chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
+            chosen[key][rows] = True
+        for name, switch in self.switches.items():
+            switch.by_row = [(adapter.weights[name], chosen[key])
+                             for key, (adapter, _) in by_adapter.items()
+                             if name in adapter.weights]
+        length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
+        decoding = torch.tensor([seq.slot - first for seq in members])
+        for layer in self.cache.layers:
+            layer.window = (first, first + self.rows, length)
+            layer.rows, layer.positions = decoding, positions[decoding]
+        # 4-D and boolean: transformers uses it as given; a 2-D mask that happens to be all
+        # true (a full group at one position) would be dropped, and SDPA would then run
+        # another kernel with other bits
+        mask = (torch.arange(length)[None] <= positions[:, None])[:, None, None, :]
+        try:
+            output = self.model(input_ids=ids, position_ids=positions[:, None],
+                                attention_mask=mask, use_cache=True,
+                                cache_position=torch.tensor([length - 1]),  # older 5.x read it
+                                **{self.cache_arg: self.cache})
+        finally:
+            for switch in self.switches.values():
+                switch.by_row = []
+        logits = output.logits[:, -1]
+        return {seq.slot: logits[seq.slot - first] for seq in members}
+
+    def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        scores = processed_logprobs(logits, p)
+        if torch.isnan(scores).any():  # filtered tokens are -inf; NaN means broken weights
+            raise FloatingPointError("the model's log-probs hold NaN")
+        if p.temperature < GREEDY_EPS:
+            token = int(scores.argmax())
+        else:
+            token = int(torch.multinomial(scores.exp(), 1, generator=seq.generator))
+        if p.logprobs is not None:
+            top = scores.topk(p.logprobs)
+            seq.logprobs.append((float(scores[token]), top.indices.tolist(), top.values.tolist()))
+        seq.generated.append(token)
+        self.counters["generation_tokens"] += 1
+        if token == p.eos_id:
+            seq.finish_reason = "stop"
+        elif token in p.stop_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif len(seq.generated) >= p.max_tokens:
+            seq.finish_reason = "length"
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self.successes[reason] += 1
+        seq.resolve()

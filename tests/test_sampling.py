@@ -1,0 +1,75 @@
+"""The stages' sampler (`sampling.sample_many`) on a random tiny Qwen2: what it returns for a
+prompt does not depend on what is sampled beside it, bit for bit, greedy and seeded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from reprorl.errors import ReproError
+from reprorl.sampling import sample, sample_many
+
+EOS, MAX_LEN = 3, 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=MAX_LEN)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 64) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
+
+
+def generators(seeds):
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_prompt_samples_the_same_bits_alone_and_among_any_others(model, greedy):
+    pool = prompts(40, 1)
+    alone = [sample_many(model, [p], 24, EOS, MAX_LEN, None if greedy else generators([i]),
+                         rows=4)[0] for i, p in enumerate(pool)]
+    rng = random.Random(2)
+    mixes = 0
+    for _ in range(6):  # random subsets, orders and batch sizes (fewer and more than the slots)
+        chosen = rng.sample(range(len(pool)), rng.randrange(2, len(pool)))
+        got = sample_many(model, [pool[i] for i in chosen], 24, EOS, MAX_LEN,
+                          None if greedy else generators(chosen), rows=4,
+                          slots=rng.choice([4, 8, 16]))
+        for i, result in zip(chosen, got):
+            assert result == alone[i], f"prompt {i} differs among {len(chosen)} others"
+        mixes += 1
+    assert mixes == 6
+    assert {r.finish_reason for r in alone} <= {"eos", "cut"}
+    assert all(len(r.response_ids) == len(r.logprobs) <= 24 for r in alone)
+
+
+def test_greedy_answers_match_one_sequence_decoding(model):
+    """The engine and transformers' own cache pick the same tokens (log-probs may differ in
+    the last bits: other kernels)."""
+    pool = prompts(12, 3)
+    batched = sample_many(model, pool, 24, EOS, MAX_LEN, rows=4)
+    for prompt, result in zip(pool, batched):
+        single = sample(model, prompt, 24, EOS)
+        assert result.response_ids == single.response_ids
+        assert result.finish_reason == single.finish_reason
+        assert max(abs(a - b) for a, b in zip(result.logprobs, single.logprobs)) < 1e-4
+
+
+def test_a_response_cut_at_the_token_limit_says_so(model):
+    result = sample_many(model, prompts(1, 4), 2, eos_id=-1, max_len=MAX_LEN)[0]
+    assert result.finish_reason == "cut" and len(result.response_ids) == 2
+
+
+def test_a_prompt_with_no_room_left_is_refused_by_name(model):
+    with pytest.raises(ReproError, match=r"prompts \[1\].*limits.context_tokens"):
+        sample_many(model, [[5] * 10, [5] * 120], 24, EOS, MAX_LEN)
