@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_config
 
 from reprorl import roles
-from reprorl.encoding import Batch, Example, collate, example, load_tokenizer
+from reprorl.encoding import Batch, Example, collate, collate_pairs, example, load_tokenizer
 from reprorl.manifest import ReproError
 
 
@@ -131,3 +131,35 @@ def test_unknown_role_and_scoreless_roles(four):
         roles.Role("judge", four["actor"].backbone)
     with pytest.raises(ReproError, match="only the reward role"):
         four["critic"].score(None)
+
+
+def test_packed_pairs_score_as_the_two_sequences_alone(four, encode):
+    """`collate_pairs` (the reward update's rows) gives the scores and gradients of scoring
+    each response alone, up to float rounding (other reduction lengths); a response never
+    sees its pair's other answer: changing the chosen one leaves the rejected score's bits."""
+    reward = four["reward"]
+    prompts = ["Printer silent.", "Wi-Fi drops at noon every day.", "Mail stuck."]
+    pairs = [(encode(p, "Next step: re-enable Wi-Fi."), encode(p, "Please restart it now."))
+             for p in prompts]
+    reward.requires_grad_(True)
+    try:
+        chosen, rejected = reward.score_pairs(collate_pairs(pairs, 0))
+        chosen.sum().sub(rejected.sum()).backward()
+        packed = {n: p.grad.clone() for n, p in reward.named_parameters() if p.grad is not None}
+        reward.zero_grad(set_to_none=True)
+        alone = reward.score(collate([c for c, _ in pairs] + [r for _, r in pairs], 0))
+        alone[:3].sum().sub(alone[3:].sum()).backward()
+        for name, grad in packed.items():
+            torch.testing.assert_close(grad, dict(reward.named_parameters())[name].grad,
+                                       rtol=1e-4, atol=1e-6)
+    finally:
+        reward.zero_grad(set_to_none=True)
+        reward.requires_grad_(False)
+    torch.testing.assert_close(chosen.detach(), alone[:3].detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(rejected.detach(), alone[3:].detach(), rtol=0, atol=1e-5)
+    other = [(Example(c.name, c.prompt_ids, c.response_ids[::-1]), r) for c, r in pairs]
+    with torch.no_grad():
+        _, again = reward.score_pairs(collate_pairs(other, 0))
+    assert torch.equal(again, rejected.detach())
+    with pytest.raises(ReproError, match="different prompts"):
+        collate_pairs([(pairs[0][0], pairs[1][1])], 0)

