@@ -35,8 +35,8 @@ CI = ["--configfile", "configs/ci.yaml"]
 ALL_TRAINING = ["base_model", *(f"{b}_{m}" for b in EXPORTS for m in MODES)]
 CHOSEN = os.environ.get("REPRORL_CRASH_STAGES", "")  # "all", or names separated by commas
 STAGES = (ALL_TRAINING if CHOSEN == "all" else CHOSEN.split(",") if CHOSEN else
-          ["base_model", "sft_interrupt", "sft_resume", "reward_continuous", "ppo_interrupt",
-           "ppo_resume", "grpo_learned_resume"])
+          ["base_model", "sft_interrupt", "reward_continuous", "ppo_resume",
+           "grpo_learned_resume"])
 KILLS_PER_STAGE = int(os.environ.get("REPRORL_CRASH_KILLS", "2"))
 TRACKED = ("data", "assets", "outputs")
 
