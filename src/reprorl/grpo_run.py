@@ -227,8 +227,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
         "run": run, "mode": mode, "reward_function": type(reward).__name__,
         "steps": result.global_step, "interrupt_step": stop, "train_loss": result.training_loss,
         # interrupt mode: False when the run ended before that step (empty blocks train
-        # nothing), and then the resume check compares two runs that were never apart
-        "reached_interrupt_step": reached,
+        # nothing), and then the resume check compares two runs that were never apart;
+        # null in the other modes, which do not stop there
+        "reached_interrupt_step": reached if mode == "interrupt" else None,
         "first_windows": mean_of(windows[:tenth]), "last_windows": mean_of(windows[-tenth:]),
         "windows": len(windows), "history": windows, "settings": settings,
         "checkpoint": storage,
