@@ -1,5 +1,5 @@
-# Judging: the reward model on the test pairs, every policy against the rubric (results), the
-# politeness exercise on the fixed probe candidates, and the report.
+# Judging: the reward model on the test pairs, the politeness exercise on the fixed probe
+# candidates, every policy against the rubric with the exercise beside it (results), the report.
 
 
 rule reward_test:
@@ -22,37 +22,13 @@ rule reward_test:
         STAGE_COMMAND
 
 
-rule evaluate:
-    input:
-        corpus=rules.prepare.output.manifest,
-        reward_test=rules.reward_test.output.test,
-        generations=[str(layout.generations(policy)) for policy in POLICIES],
-        grpo=[str(layout.learning_report(f"grpo_{run}", "continuous")) for run in GRPO_RUNS],
-        resume_checks=[str(layout.resume_check(branch)) for branch in EXPORTS],
-        sft_validation=rules.sft_validation.output.report,
-        ppo_sampled=rules.ppo_report.output.report,
-    output:
-        **stage_output("evaluate"),
-    log:
-        layout.log("evaluate"),
-    benchmark:
-        layout.benchmark("evaluate")
-    conda:
-        "../workflow/envs/reprorl.yaml"
-    threads: stage_threads("evaluate")
-    params:
-        **stage_params("evaluate"),
-    shell:
-        STAGE_COMMAND
-
-
 rule exercise:
     input:
         corpus=rules.prepare.output.manifest,
         model_manifest=rules.base_model.output.manifest,
         reward=final_files("reward"),
         # hashed before and after: the exercise must leave them as it found them
-        results=rules.evaluate.output.results,
+        finals=final_files(*(name for names in EXPORTS.values() for name in names)),
         reward_test=rules.reward_test.output.test,
         pages=rules.generation_inputs.output.pages,
         generations=[str(layout.generations(policy)) for policy in POLICIES],
@@ -71,13 +47,44 @@ rule exercise:
         STAGE_COMMAND
 
 
+rule evaluate:
+    input:
+        corpus=rules.prepare.output.manifest,
+        reward_test=rules.reward_test.output.test,
+        generations=[str(layout.generations(policy)) for policy in POLICIES],
+        grpo=[
+            str(layout.learning_report(f"grpo_{run}", "continuous"))
+            for run in GRPO_RUNS
+        ],
+        resume_checks=[str(layout.resume_check(branch)) for branch in EXPORTS],
+        sft_validation=rules.sft_validation.output.report,
+        ppo_sampled=rules.ppo_report.output.report,
+        exercise=rules.exercise.output.shortcuts,
+    output:
+        **stage_output("evaluate"),
+    log:
+        layout.log("evaluate"),
+    benchmark:
+        layout.benchmark("evaluate")
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("evaluate")
+    params:
+        **stage_params("evaluate"),
+    shell:
+        STAGE_COMMAND
+
+
 rule report:
     input:
         base=rules.base_model.output.summary,
         sft=rules.sft_continuous.output.report,
         reward=rules.reward_continuous.output.report,
         ppo=rules.ppo_report.output.report,
-        grpo=[str(layout.learning_report(f"grpo_{run}", "continuous")) for run in GRPO_RUNS],
+        grpo=[
+            str(layout.learning_report(f"grpo_{run}", "continuous"))
+            for run in GRPO_RUNS
+        ],
         results=rules.evaluate.output.results,
         table=rules.evaluate.output.table,
         exercise=rules.exercise.output.shortcuts,

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from reprorl import evaluate, generate
+from reprorl import evaluate, generate, uncertainty
 from reprorl.corpus import HeldOutError
 from reprorl.manifest import ReproError, write_json
 
@@ -74,8 +74,62 @@ def test_results_schema_rejects_a_wrong_score_name():
         evaluate.validate_results({"learned_score_name": "utility"})
 
 
+EXERCISE = {"contexts": 20, "probe_rows": 80, "polite_wrong_outranks_plain_correct": 14,
+            "mean_correct_politeness_delta": 0.33, "mean_incorrect_politeness_delta": 0.8,
+            "politeness_raises_score_in_contexts": {"correct": 17, "incorrect": 13},
+            "contexts_detail": [{"family": f"f{i}", "correct_politeness_delta": 0.5,
+                                 "incorrect_politeness_delta": -0.25,
+                                 "polite_wrong_outranks_plain_correct": i < 14}
+                                for i in range(20)],
+            "hashes_unchanged": {}, "refit": False}
+
+
+def prompted(rows: list[dict]) -> list[dict]:
+    """Judged rows with a prompt each (rows of one prompt are drawn together)."""
+    return [{**r, "prompt": f"p{i}"} for i, r in enumerate(rows)]
+
+
+def test_intervals_hold_the_estimate_and_replay():
+    rows = prompted([row(i % 3 == 0, True, False, score=i / 10) for i in range(60)])
+    first, again = uncertainty.intervals(rows), uncertainty.intervals(rows)
+    assert first == again  # a seeded generator: the same bits every time
+    metrics = evaluate.summarize(rows)
+    for name, (low, high) in first.items():
+        assert low - 1e-12 <= metrics[name] <= high + 1e-12, name  # sums in another order
+    low, high = first["rubric_success_rate"]
+    assert 0.15 < low < 1 / 3 < high < 0.5  # 20 of 60
+
+
+def test_rows_of_one_prompt_are_drawn_together():
+    """Four copies of each of 20 answers: the interval of 20 contexts, not of 80 rows."""
+    contexts = prompted([row(i % 2 == 0, True, False) for i in range(20)])
+    copies = [r for r in contexts for _ in range(4)]
+    alone = uncertainty.intervals(contexts)["rubric_success_rate"]
+    assert uncertainty.intervals(copies)["rubric_success_rate"] == pytest.approx(alone)
+    independent = prompted(copies)  # the same 80 rows, wrongly taken as 80 situations
+    narrow = uncertainty.intervals(independent)["rubric_success_rate"]
+    assert narrow[1] - narrow[0] < 0.75 * (alone[1] - alone[0])
+
+
+def test_paired_differences_say_when_they_are_within_noise():
+    base = prompted([row(i % 2 == 0, True, False, score=0.0) for i in range(100)])
+    same = uncertainty.paired_difference(base, base)
+    assert same["rubric_success_rate"] == {"difference": 0.0, "interval_95": [0.0, 0.0],
+                                           "within_noise": True}
+    better = prompted([row(i % 10 != 0, True, False, score=1.0) for i in range(100)])
+    gain = uncertainty.paired_difference(better, base)["rubric_success_rate"]
+    assert gain["difference"] == pytest.approx(0.4) and not gain["within_noise"]
+    assert 0.25 < gain["interval_95"][0] < 0.4 < gain["interval_95"][1] < 0.55
+    none = uncertainty.paired_difference(prompted([row(False, False)] * 3),
+                                         prompted([row(False, False)] * 3))
+    assert none["relevant_rate_among_recognized"]["within_noise"] is None  # nothing recognized
+    with pytest.raises(ValueError, match="same prompts"):
+        uncertainty.paired_difference(base[:3], base[3:6])
+
+
 def test_markdown_names_the_score_and_the_scope(tmp_path):
-    metrics = evaluate.summarize([row(True, True, False), row(False, False)])
+    judged = prompted([row(True, True, False), row(False, False)])
+    metrics = {**evaluate.summarize(judged), "intervals_95": uncertainty.intervals(judged)}
     results = {
         "scope": evaluate.SCOPE,
         "policies": {"sft": {"metrics": {"test_rows": metrics}}},
@@ -87,8 +141,15 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
         "grpo_training": {"verifier": {
             "steps": 3, "first_windows": {"reward": 0.25, "sample/staleness_mean": 1.0},
             "last_windows": {"reward": 0.75, "sample/staleness_mean": None}}},
+        "difference_to_sft": {"ppo": {"test_rows": uncertainty.paired_difference(
+            prompted([row(False, True, False), row(False, False)]), judged)}},
+        "exercise": EXERCISE,
     }
     text = evaluate.markdown(results)
     assert "predicted simulated preference" in text and "no human study" in text
-    assert "| sft | test_rows | 2 | 50.0 % |" in text
+    assert "| sft | test_rows | 2 | 50.0 % [0.0, 100.0] |" in text
+    assert "| ppo | test_rows | -50.0 points [-100.0, 0.0] (within noise) | 0.000 [0.00, 0.00]" \
+           " (within noise) |" in text
+    assert "outranks plain correct advice in 14 of 20 contexts" in text
+    assert "| f0 | +0.500 | -0.250 | yes |" in text and "| f19 | +0.500 | -0.250 | no |" in text
     assert "| verifier | 3 | 0.25 -> 0.75 | n/a -> n/a | n/a -> n/a | 1 -> n/a |" in text

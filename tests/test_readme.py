@@ -1,9 +1,9 @@
 """`reprorl readme-results`: the README's results block rebuilt from a run's outputs."""
 
 import pytest
-from test_evaluate import row  # the tests folder is on sys.path (no package)
+from test_evaluate import EXERCISE, prompted, row  # the tests folder is on sys.path
 
-from reprorl import cli, evaluate, readme
+from reprorl import cli, evaluate, readme, uncertainty
 from reprorl.manifest import write_json
 from reprorl.stages import EXPORTS
 
@@ -11,9 +11,14 @@ README = ("# title\n\ntyped prose stays\n\n" + readme.BEGIN + "\nold table\n" + 
           + "\n\nmore typed prose\n")
 
 
+def _rows(successes: int, score: float) -> list[dict]:
+    return prompted([row(True, True, False, score=score)] * successes
+                    + [row(False, True, False, score=score)] * (5 - successes))
+
+
 def _metrics(successes: int, score: float) -> dict:
-    return evaluate.summarize([row(True, True, False, score=score)] * successes
-                              + [row(False, True, False, score=score)] * (5 - successes))
+    rows = _rows(successes, score)
+    return {**evaluate.summarize(rows), "intervals_95": uncertainty.intervals(rows)}
 
 
 def _results() -> dict:
@@ -41,6 +46,10 @@ def _results() -> dict:
                                 "last_windows": {"reward": 2.0}, "settings": {}}
                           for run in ("verifier", "learned")},
         "policies": policies,
+        "difference_to_sft": {policy: dict.fromkeys(populations, uncertainty.paired_difference(
+            _rows(successes, 0.0), _rows(3, 0.0))) for policy, successes in (
+                ("ppo", 2), ("grpo_verifier", 4), ("grpo_learned", 1))},
+        "exercise": EXERCISE,
     }
 
 
@@ -62,9 +71,15 @@ def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
     assert text.startswith(before + readme.BEGIN) and text.endswith(readme.END + after)
     assert "old table" not in text
     rows = text.split(readme.BEGIN)[1].split(readme.END)[0]
-    assert ("| SFT | 60.0 % | -1.84 |\n| PPO (learned reward, KL to SFT) | 40.0 % | -1.15 |\n"
-            "| async GRPO, rubric verifier (train families) | 80.0 % | -0.86 |\n"
-            "| async GRPO, learned reward | 20.0 % | -0.69 |") in rows
+    assert ("| SFT | 60.0 % [20.0, 100.0] | (baseline) | -1.84 |\n"
+            "| PPO (learned reward, sampled log-ratio penalty to SFT) | 40.0 % [0.0, 80.0] | "
+            "-20.0 points [-60.0, 0.0], within noise | -1.15 |\n"
+            "| async GRPO, rubric verifier (train families) | 80.0 % [40.0, 100.0] | "
+            "+20.0 points [0.0, 60.0], within noise | -0.86 |\n"
+            "| async GRPO, learned reward | 20.0 % [0.0, 60.0] | "
+            "-40.0 points [-80.0, 0.0], within noise | -0.69 |") in rows
+    assert "polite wrong advice outranks plain correct advice in 14 of the 20" in " ".join(
+        rows.split())
     flat = " ".join(rows.split())
     assert ("commit abc1234; 2 stages in 18 min 12 s from the first one's start to the last "
             "one's end, finished 2026-12-01; 2 cores; Some CPU, torch AVX2") in flat

@@ -6,13 +6,16 @@ rubric is the independent judge: success counts over all outputs, UNCERTIFIED pr
 success, unsupported certainty is a rate over recognized answers only.
 
 - `reward_test`: the frozen reward model on the 180 test pairs (accuracy, ties, per-pair scores);
-- `evaluate`: every policy's 260 generations judged per population (test rows, probe rows,
-  unique probe contexts, all rows, all unique contexts) -> outputs/results.json + results.md.
-  It reads the resume checks and refuses to write results unless each is PASS;
 - `exercise`: the frozen reward model on the 80 fixed probe candidates: per context, the score
   change politeness brings to correct and to incorrect advice, and whether polite wrong advice
-  outranks plain correct advice. Hashes of the reward model and main artifacts are compared
-  before and after; nothing is refitted.
+  outranks plain correct advice. The hashes of every final checkpoint, the held-out generations
+  and the config are compared before and after; nothing is refitted;
+- `evaluate`: every policy's 260 generations judged per population (test rows, probe rows,
+  unique probe contexts, all rows, all unique contexts), each rate and mean with a 95 %
+  bootstrap interval over prompts and each policy's paired difference to SFT
+  (`uncertainty.py`), plus the exercise -> outputs/results.json + results.md, and every judged
+  row as outputs/results-rows.csv (pandas). It reads the resume checks and refuses to write
+  results unless each is PASS.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import corpus, layout
+from . import corpus, layout, uncertainty
 from .encoding import collate, example, load_tokenizer
 from .errors import ReproError
 from .exports import load_final
@@ -32,6 +35,7 @@ from .manifest import (
     read_json,
     record_read,
     sha256_file,
+    sha256_json,
     write_json,
 )
 from .roles import learned_identity
@@ -157,7 +161,8 @@ def evaluate_policy(policy: str, gold: dict) -> dict:
         rows.append({"document_id": page["document_id"], "split": page["split"],
                      "prompt": page["prompt"], "text": item["generation"]["text"],
                      **judge(item["generation"], gold[page["document_id"]]["expected_action"])})
-    metrics = {name: summarize(selected) for name, selected in populations(rows).items()}
+    metrics = {name: {**summarize(selected), "intervals_95": uncertainty.intervals(selected)}
+               for name, selected in populations(rows).items()}
     if [metrics[p]["rows"] for p in ("test_rows", "probe_rows", "probe_unique_contexts",
                                       "all_rows", "all_unique_contexts")] != [180, 80, 20, 260,
                                                                               200]:
@@ -207,16 +212,39 @@ def evaluate(config: dict, policies: list[str]) -> dict:
             layout.learning_report(f"grpo_{run}", "continuous")).items() if k != "history"}
             for run in GRPO_RUNS},
         "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
+        "exercise": {k: v for k, v in read_input(layout.EXERCISE).items() if k != "rows"},
     }
+    baseline = populations(results["policies"]["sft"]["rows"])
+    results["difference_to_sft"] = {
+        policy: {name: uncertainty.paired_difference(selected, baseline[name])
+                 for name, selected in populations(result["rows"]).items()}
+        for policy, result in results["policies"].items() if policy != "sft"}
     validate_results(results)
     write_json(layout.RESULTS, results)
     atomic_write_text(layout.RESULTS_TABLE, markdown(results))
+    atomic_write_text(layout.RESULTS_ROWS, rows_csv(results))
     headline = {}
     for policy, result in results["policies"].items():
         test = result["metrics"]["test_rows"]
         headline[policy] = {"test_rubric_success_rate": test["rubric_success_rate"],
                             "test_mean_learned_score": test["mean_learned_score"]}
     return headline
+
+
+LEADING_COLUMNS = ["policy", "document_id", "split", "prompt", "text", "rubric_success",
+                   "recognized", "relevant", "learned_score"]
+
+
+def rows_csv(results: dict) -> str:
+    """Every judged row of every policy, one CSV line each, for slicing in a notebook: the
+    leading columns first, then the rubric's other verdict fields in name order."""
+    import pandas as pd
+
+    table = pd.DataFrame([{"policy": policy, **row}
+                          for policy, result in results["policies"].items()
+                          for row in result["rows"]])
+    rest = sorted(set(table.columns) - set(LEADING_COLUMNS))
+    return table[LEADING_COLUMNS + rest].to_csv(index=False, lineterminator="\n")
 
 
 def validate_results(results: dict) -> None:
@@ -242,21 +270,49 @@ def _percent(value) -> str:
     return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
+def _with_interval(value, interval, percent: bool = True) -> str:
+    """A value and its 95 % interval: `60.0 % [52.8, 67.2]` or `-1.835 [-2.01, -1.66]`."""
+    if value is None:
+        return "n/a"
+    if percent:
+        bounds = "" if interval is None else f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
+        return _percent(value) + bounds
+    bounds = "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
+    return f"{value:.3f}{bounds}"
+
+
 def markdown(results: dict) -> str:
-    lines = ["# reprorl results", "", results["scope"], ""]
+    lines = ["# reprorl results", "", results["scope"], "",
+             ("Brackets: 95 % bootstrap intervals over prompts (rows that share a prompt are "
+              f"drawn together; {uncertainty.RESAMPLES} resamples, seed {uncertainty.SEED})."),
+             ""]
     header = ("| policy | population | rows | rubric success | recognized | UNCERTIFIED | "
               "relevant (of recognized) | unsupported certainty (of recognized) | refusals | "
               f"without EOS | mean tokens | mean {SCORE_NAME} | mean log-ratio to reference |")
     lines += ["## Policies", "", header, "|" + "---|" * 13]
     for policy, result in results["policies"].items():
         for name, m in result["metrics"].items():
+            ci = m["intervals_95"]
             lines.append(
-                f"| {policy} | {name} | {m['rows']} | {_percent(m['rubric_success_rate'])} | "
+                f"| {policy} | {name} | {m['rows']} | "
+                f"{_with_interval(m['rubric_success_rate'], ci['rubric_success_rate'])} | "
                 f"{_percent(m['recognized_rate'])} | {m['uncertified']} | "
                 f"{_percent(m['relevant_rate_among_recognized'])} | "
                 f"{_percent(m['unsupported_certainty_rate_among_recognized'])} | "
                 f"{m['refusals']} | {m['without_eos']} | {m['mean_response_tokens']:.1f} | "
-                f"{m['mean_learned_score']:.3f} | {m['mean_logratio_per_token']:.4f} |")
+                f"{_with_interval(m['mean_learned_score'], ci['mean_learned_score'], False)} | "
+                f"{m['mean_logratio_per_token']:.4f} |")
+    lines += ["", "## Difference to SFT (paired over the same prompts)", "",
+              f"| policy | population | rubric success | mean {SCORE_NAME} |", "|---|---|---|---|"]
+    for policy, by_population in results["difference_to_sft"].items():
+        for name, d in by_population.items():
+            cells = []
+            for key, percent in (("rubric_success_rate", True), ("mean_learned_score", False)):
+                diff = d[key]
+                text = _with_interval(diff["difference"], diff["interval_95"], percent)
+                text = text.replace(" %", " points", 1) if percent else text
+                cells.append(text + (" (within noise)" if diff["within_noise"] else ""))
+            lines.append(f"| {policy} | {name} | {cells[0]} | {cells[1]} |")
     test = results["reward_model_test"]
     lines += ["", "## Reward model", "",
               f"Accuracy on the 180 test pairs: {_percent(test['accuracy'])} "
@@ -286,21 +342,45 @@ def markdown(results: dict) -> str:
         lines.append(f"| {run} | {summary['steps']} | {pair('reward')} | {pair('reward_kept')} "
                      f"| {pair('frac_reward_zero_std')} | {pair('sample/staleness_mean')} | "
                      f"{pair('sample/dropped_stale_count')} |")
+    lines += exercise_markdown(results["exercise"])
     return "\n".join(lines) + "\n"
+
+
+def exercise_markdown(ex: dict) -> list[str]:
+    lines = ["", "## Politeness exercise (the frozen reward model on the 80 probe candidates)", "",
+             (f"Polite wrong advice outranks plain correct advice in "
+              f"{ex['polite_wrong_outranks_plain_correct']} of {ex['contexts']} contexts. Mean "
+              f"score change from politeness: {ex['mean_correct_politeness_delta']:+.3f} on "
+              f"correct advice (raised in {ex['politeness_raises_score_in_contexts']['correct']}"
+              f" contexts), {ex['mean_incorrect_politeness_delta']:+.3f} on wrong advice (raised"
+              f" in {ex['politeness_raises_score_in_contexts']['incorrect']}). Every final "
+              "checkpoint, the held-out generations and the config hashed the same before and "
+              "after; nothing refitted."), "",
+             ("| context | politeness change, correct advice | politeness change, wrong advice "
+              "| polite wrong outranks plain correct |"), "|---|---|---|---|"]
+    for c in ex["contexts_detail"]:
+        lines.append(f"| {c['family']} | {c['correct_politeness_delta']:+.3f} | "
+                     f"{c['incorrect_politeness_delta']:+.3f} | "
+                     f"{'yes' if c['polite_wrong_outranks_plain_correct'] else 'no'} |")
+    return lines
 
 
 # ---------------------------------------------------------------- politeness exercise
 
 
 def protected_files() -> list[Path]:
-    """What the exercise must leave as it found it (hashed before and after)."""
-    return [*layout.final_files("reward"), layout.RESULTS, layout.REWARD_TEST,
-            layout.GENERATION_PAGES, *map(layout.generations, POLICIES)]
+    """What the exercise must leave as it found it (hashed before and after): every final
+    checkpoint, the reward-model test and the held-out generations."""
+    finals = [path for exports in EXPORTS.values() for name in exports
+              for path in layout.final_files(name)]
+    return [*finals, layout.REWARD_TEST, layout.GENERATION_PAGES,
+            *map(layout.generations, POLICIES)]
 
 
 def exercise(config: dict) -> dict:
     record_read(*protected_files())
     before = {str(p): sha256_file(p) for p in protected_files()}
+    config_sha256 = sha256_json(config)
     tokenizer = load_tokenizer(config["model"]["path"])
     reward, meta = load_final("reward", "reward", config)
     reward.requires_grad_(False)
@@ -328,8 +408,10 @@ def exercise(config: dict) -> dict:
             "polite_wrong_outranks_plain_correct": cell[False, True] > cell[True, False],
         })
     after = {str(p): sha256_file(p) for p in protected_files()}
-    if after != before or learned_identity(reward) != identity:
-        raise ReproError("the exercise changed the reward model or a main artifact")
+    if (after != before or sha256_json(config) != config_sha256
+            or learned_identity(reward) != identity):
+        raise ReproError("the exercise changed the reward model, a checkpoint, a main artifact "
+                         "or its config")
     count = len(contexts)
     result = {
         "probe_rows": len(rows), "contexts": count,
@@ -342,7 +424,8 @@ def exercise(config: dict) -> dict:
         "politeness_raises_score_in_contexts": {
             "correct": sum(c["correct_politeness_delta"] > 0 for c in contexts),
             "incorrect": sum(c["incorrect_politeness_delta"] > 0 for c in contexts)},
-        "reward_checkpoint": meta["sha256"], "hashes_unchanged": before, "refit": False,
+        "reward_checkpoint": meta["sha256"], "hashes_unchanged": before,
+        "config_sha256_unchanged": config_sha256, "refit": False,
         "contexts_detail": contexts, "rows": rows,
         "note": f"scores are the frozen reward model's {SCORE_NAME}; a politeness gain is "
                 "not evidence that PPO exploits it: read the policies' outputs too",

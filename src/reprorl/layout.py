@@ -48,6 +48,7 @@ GENERATION_PAGES = INFERENCE / "pages.json"
 REWARD_TEST = OUTPUTS / "reward-test.json"
 RESULTS = OUTPUTS / "results.json"
 RESULTS_TABLE = OUTPUTS / "results.md"
+RESULTS_ROWS = OUTPUTS / "results-rows.csv"  # every judged row of every policy
 EXERCISE = OUTPUTS / "exercise/reward-shortcuts.json"
 REPORT_PAGE = REPORT / "report.html"
 FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "probes")
@@ -137,7 +138,7 @@ def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
     elif stage == "reward_test":
         files["test"] = REWARD_TEST
     elif stage == "evaluate":
-        files |= {"results": RESULTS, "table": RESULTS_TABLE}
+        files |= {"results": RESULTS, "table": RESULTS_TABLE, "rows": RESULTS_ROWS}
     elif stage == "exercise":
         files["shortcuts"] = EXERCISE
     elif stage == "report":

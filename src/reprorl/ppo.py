@@ -48,7 +48,7 @@ from .schedule import linear_warmup_decay
 from .state import seed_everything
 
 ITERATIONS, INTERRUPT_AT, PROMPTS_PER_ITERATION, UPDATES_PER_BATCH = 100, 40, 4, 2
-# Sampling temperature, fixed by the specification: the actor loss and the KL reward use
+# Sampling temperature, fixed by the specification: the actor loss and the log-ratio penalty use
 # untempered log-probs, which are the behaviour log-probs only at temperature 1.
 TEMPERATURE = 1.0
 INPUT_CHECKPOINTS = [*layout.final_files("sft"), *layout.final_files("reward")]

@@ -22,7 +22,7 @@ END = "<!-- results:end -->"
 COMMAND = "python -m reprorl readme-results"
 LABELS = {
     "sft": "SFT",
-    "ppo": "PPO (learned reward, KL to SFT)",
+    "ppo": "PPO (learned reward, sampled log-ratio penalty to SFT)",
     "grpo_verifier": "async GRPO, rubric verifier (train families)",
     "grpo_learned": "async GRPO, learned reward",
 }
@@ -31,6 +31,19 @@ WIDTH = 96  # the README's prose lines stay under 100 characters
 
 def _percent(value: float) -> str:
     return f"{100 * value:.1f} %"
+
+
+def _points(interval: list[float] | None) -> str:
+    """A 95 % interval of a rate, in percentage points."""
+    return "" if interval is None else f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
+
+
+def _versus_sft(difference: dict | None) -> str:
+    if difference is None:
+        return "(baseline)"
+    d = difference["rubric_success_rate"]
+    noise = ", within noise" if d["within_noise"] else ""
+    return f"{100 * d['difference']:+.1f} points{_points(d['interval_95'])}{noise}"
 
 
 def load_results(path: Path) -> dict:
@@ -107,12 +120,16 @@ def block(results: dict, facts: dict, commit: str) -> str:
     where += facts.get("cpus", [])
     intro = (f"What the embedded default showed when last run ({'; '.join(where)}), reported as "
              "it came out:")
-    rows = [("| | rubric success, 180 held-out test prompts (greedy) | mean predicted simulated "
-             "preference |"), "|---|---|---|"]
+    rows = [("| | rubric success, 180 held-out test prompts (greedy) [95 % interval] | vs SFT, "
+             "paired | mean predicted simulated preference |"), "|---|---|---|---|"]
     for policy, result in _ordered(results["policies"], POLICIES):
         test = result["metrics"]["test_rows"]
-        rows.append(f"| {LABELS.get(policy, policy)} | {_percent(test['rubric_success_rate'])} "
-                    f"| {test['mean_learned_score']:.2f} |")
+        ci = test["intervals_95"]
+        versus = _versus_sft(results["difference_to_sft"].get(policy, {}).get("test_rows"))
+        rows.append(f"| {LABELS.get(policy, policy)} | {_percent(test['rubric_success_rate'])}"
+                    f"{_points(ci['rubric_success_rate'])} | {versus} | "
+                    f"{test['mean_learned_score']:.2f} |")
+    ex = results["exercise"]
     rm, sampled = results["reward_model_test"], results["ppo_sampled_responses"]
     first, last = sampled["first_10"], sampled["last_10"]
     grpo = ", ".join(
@@ -129,7 +146,11 @@ def block(results: dict, facts: dict, commit: str) -> str:
         f"{last['mean_reward_model_score']:.2f}, rubric success from "
         f"{_percent(first['rubric_success_rate'])} to {_percent(last['rubric_success_rate'])}. "
         + (f"GRPO's sampled reward, first vs last tenth of the training windows: {grpo}. "
-           if grpo else "") + f"Resume checks: {checks}.")
+           if grpo else "")
+        + f"Politeness exercise: polite wrong advice outranks plain correct advice in "
+          f"{ex['polite_wrong_outranks_plain_correct']} of the {ex['contexts']} probe contexts. "
+          f"Resume checks: {checks}. Intervals: bootstrap over prompts, paired for the "
+          "difference to SFT (`outputs/results.md` has every population).")
     return "\n".join([BEGIN, *textwrap.wrap(intro, WIDTH), "", *rows, "",
                       *textwrap.wrap(figures, WIDTH), END])
 
