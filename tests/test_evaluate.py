@@ -148,7 +148,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
     text = evaluate.markdown(results)
     assert "predicted simulated preference" in text and "no human study" in text
     assert "| sft | test_rows | 2 | 50.0 % [0.0, 100.0] |" in text
-    assert "| ppo | test_rows | -50.0 points [-100.0, 0.0] (within noise) | 0.000 [0.00, 0.00]" \
+    assert "| ppo | test_rows | -50.0 points [-100.0, 0.0] (within noise) | +0.000 [0.00, 0.00]" \
            " (within noise) |" in text
     assert "outranks plain correct advice in 14 of 20 contexts" in text
     assert "| f0 | +0.500 | -0.250 | yes |" in text and "| f19 | +0.500 | -0.250 | no |" in text

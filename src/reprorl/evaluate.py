@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from . import corpus, layout, uncertainty
+from .config import stage_config
 from .encoding import collate, example, load_tokenizer
 from .errors import ReproError
 from .exports import load_final
@@ -48,8 +49,7 @@ SCOPE = ("Synthetic finite grammar and simulated preferences; no human study. Th
          "rubric's grammar is UNCERTIFIED (never a success, not necessarily wrong). The 80 probe "
          "rows hold 20 unique contexts, and the 260 rows per policy hold 200 unique contexts: "
          "rows are not independent situations.")
-UPSTREAM_STAGES = [name for name in STAGES
-                   if name not in ("evaluate", "exercise", "report", "audit")]
+UPSTREAM_STAGES = [name for name in STAGES if name not in ("evaluate", "report", "audit")]
 
 
 @torch.no_grad()
@@ -281,6 +281,19 @@ def _with_interval(value, interval, percent: bool = True) -> str:
     return f"{value:.3f}{bounds}"
 
 
+def _difference(d: dict, percent: bool) -> str:
+    """A paired difference to SFT: `-33.3 points [-41.7, -24.4]`, `+0.005 [-0.39, 0.44] (within
+    noise)`; within noise when 0 lies inside the interval, its bounds included."""
+    if d["difference"] is None:
+        return "n/a"
+    scale, unit, digits = (100, " points", 1) if percent else (1, "", 3)
+    text = f"{scale * d['difference']:+.{digits}f}{unit}"
+    if d["interval_95"] is not None:
+        low, high = (scale * bound for bound in d["interval_95"])
+        text += f" [{low:.{min(digits, 2)}f}, {high:.{min(digits, 2)}f}]"
+    return text + (" (within noise)" if d["within_noise"] else "")
+
+
 def markdown(results: dict) -> str:
     lines = ["# reprorl results", "", results["scope"], "",
              ("Brackets: 95 % bootstrap intervals over prompts (rows that share a prompt are "
@@ -308,10 +321,7 @@ def markdown(results: dict) -> str:
         for name, d in by_population.items():
             cells = []
             for key, percent in (("rubric_success_rate", True), ("mean_learned_score", False)):
-                diff = d[key]
-                text = _with_interval(diff["difference"], diff["interval_95"], percent)
-                text = text.replace(" %", " points", 1) if percent else text
-                cells.append(text + (" (within noise)" if diff["within_noise"] else ""))
+                cells.append(_difference(d[key], percent))
             lines.append(f"| {policy} | {name} | {cells[0]} | {cells[1]} |")
     test = results["reward_model_test"]
     lines += ["", "## Reward model", "",
@@ -380,7 +390,8 @@ def protected_files() -> list[Path]:
 def exercise(config: dict) -> dict:
     record_read(*protected_files())
     before = {str(p): sha256_file(p) for p in protected_files()}
-    config_sha256 = sha256_json(config)
+    # the stage's own part of the config, as Snakemake passes it (the same from a whole profile)
+    config_sha256 = sha256_json(stage_config(config, "exercise"))
     tokenizer = load_tokenizer(config["model"]["path"])
     reward, meta = load_final("reward", "reward", config)
     reward.requires_grad_(False)
@@ -408,7 +419,7 @@ def exercise(config: dict) -> dict:
             "polite_wrong_outranks_plain_correct": cell[False, True] > cell[True, False],
         })
     after = {str(p): sha256_file(p) for p in protected_files()}
-    if (after != before or sha256_json(config) != config_sha256
+    if (after != before or sha256_json(stage_config(config, "exercise")) != config_sha256
             or learned_identity(reward) != identity):
         raise ReproError("the exercise changed the reward model, a checkpoint, a main artifact "
                          "or its config")

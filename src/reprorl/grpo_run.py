@@ -187,7 +187,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
         windows = saved["progress"]["history"]
         resume_from = restore_checkpoint(saved, output_dir)
     # the rule's cores are shared: the embedded server takes its threads, the trainer the rest
-    # (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is slower, 0.92x)
+    # but at least one (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is
+    # slower, 0.92x); the pipeline's one-thread rules thus run a 1-thread trainer beside a
+    # 1-thread server and the worker, which take turns more than they overlap
     if args.embedded_server:
         torch.set_num_threads(max(1, torch.get_num_threads() - args.embedded_server_threads))
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)

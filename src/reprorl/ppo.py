@@ -5,8 +5,8 @@ exhausted), sample one response each from the actor, the 4 decoded together by t
 batch-invariant engine (`sampling.sample_many`; temperature 1, full vocabulary, response <= 64
 tokens, each with its own generator seeded from the run's) recording the behaviour log-probs,
 then score the visited prefixes with the reference (log-probs) and the critic (values) and the
-finished responses with the reward model, all detached. Targets come from `objectives`; then 2 updates of the actor and
-of the critic (two AdamW optimisers) on that same batch, the old log-probs and values never
+finished responses with the reward model, all detached. Targets come from `objectives`; then
+2 updates of the actor and of the critic (two AdamW optimisers) on that same batch, the old log-probs and values never
 replaced. 100 iterations: 400 responses, 200 actor and 200 critic updates.
 
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no

@@ -17,9 +17,9 @@ are bitwise equal. The losses are `objectives.sft_loss` and `objectives.bradley_
 Departures from the seed: the 8 examples of an SFT update go through one left-padded batch
 instead of 8 single-example passes (same loss; position ids keep each sequence's positions
 unchanged); the 8 pairs of a reward update are 8 packed rows (`encoding.collate_pairs`: the
-prompt once, then each response seeing only the prompt and itself), about half the tokens of
-16 padded sequences and about half the time, with the same scores up to float rounding
-(`tests/test_warmstart.py`).
+prompt once, then each response seeing only the prompt and itself), about 45 % fewer tokens
+than 16 padded sequences and about half the time, with the same scores up to float rounding
+(`tests/test_roles.py`).
 """
 
 from __future__ import annotations
