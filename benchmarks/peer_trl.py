@@ -95,6 +95,7 @@ from reprorl import config as configuration
 from reprorl import exports, layout
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from reprorl.grpo.metrics import read_windows
 from reprorl.grpo.rollout import epoch_order
 from reprorl.grpo_run import RubricVerifier, dataset
 
@@ -188,8 +189,7 @@ def reprorl_arm(config: dict, rows: list[dict], steps: int, workdir: Path,
     started = time.monotonic()
     result = trainer.train()
     wall = time.monotonic() - started
-    windows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text()
-               .splitlines()]
+    windows = read_windows(output_dir / "metrics.jsonl")
     trained = [w for w in windows if w.get("batch/samples_per_step") is not None]
 
     def total(key: str) -> float:

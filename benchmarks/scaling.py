@@ -31,6 +31,7 @@ from pathlib import Path
 
 from reprorl import config as configuration
 from reprorl import corpus, layout
+from reprorl.grpo.metrics import read_windows
 
 LENGTHS, WIDTHS = (16, 32, 64, 128), (128, 256, 512, 896)
 DEFAULT_WIDTH, DEFAULT_LENGTH, LAYERS = 256, 64, 6
@@ -84,8 +85,7 @@ def point(profile: dict, width: int, length: int, steps: int, workdir: Path) -> 
     rows = [{"prompt": [{"role": "user", "content": p["prompt"]}]}
             for p in corpus.rollout_prompts()]
     AsyncGRPOTrainer(path, even_share, args, rows, log=lambda message: None).train()
-    windows = [json.loads(line) for line in
-               (workdir / name / "run" / "metrics.jsonl").read_text().splitlines()]
+    windows = read_windows(workdir / name / "run" / "metrics.jsonl")
     steady = [w for w in windows if w.get("perf/step_s") is not None][1:]  # after start-up
     if not steady:
         raise RuntimeError(f"{name}: no step after the first was logged; raise --steps")

@@ -23,7 +23,6 @@ The run's held-out evaluation is the generate/evaluate rules, shared with SFT an
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import time
@@ -37,7 +36,7 @@ from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final, save_final, verified_final
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from .grpo.metrics import reproducible
+from .grpo.metrics import read_windows, reproducible
 from .manifest import (atomic_write_bytes, peak_rss_mb, read_json, refuse_to_overwrite,
                        write_json)
 from .resumable import interrupt_state
@@ -116,9 +115,8 @@ def interrupt_step(args: AsyncGRPOConfig, rows: int) -> int:
 
 def history(metrics: Path) -> list[dict]:
     """The training windows of an engine's metrics.jsonl, reproducible keys only."""
-    lines = metrics.read_text().splitlines() if metrics.is_file() else []
     return [{k: v for k, v in record.items() if reproducible(k)}
-            for record in map(json.loads, lines) if record.get("loss") is not None]
+            for record in read_windows(metrics) if record.get("loss") is not None]
 
 
 def as_tensor(data: bytes) -> torch.Tensor:

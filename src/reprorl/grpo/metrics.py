@@ -105,6 +105,12 @@ class MetricsLog:
             os.fsync(handle.fileno())
 
 
+def read_windows(path: str | Path) -> list[dict]:
+    """The windows a `MetricsLog` wrote, oldest first; none when the file is absent."""
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
 def console_line(step: int, metrics: dict[str, float]) -> str:
     keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
             "sampling/importance_sampling_ratio/mean", "sample/staleness_mean",
