@@ -9,6 +9,9 @@ min_version("9.0")
 configfile: "configs/default.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/base_model.smk"

@@ -20,12 +20,50 @@ except ConfigError as error:
     raise WorkflowError(str(error)) from None
 
 
+# What `snakemake --report report.html` shows: (stage, output name) -> (caption, category).
+# Captions live in workflow/report/; each figure has its own, named after it.
+REPORTED = {
+    ("evaluate", "table"): ("results.rst", "5. Results"),
+    ("evaluate", "rows"): ("rows.rst", "5. Results"),
+    ("exercise", "shortcuts"): ("exercise.rst", "6. Politeness exercise"),
+    **{
+        (f"{branch}_resume_check", "check"): ("resume-check.rst", "7. Reproducibility")
+        for branch in EXPORTS
+    },
+}
+FIGURE_CATEGORIES = {
+    "pretraining": "1. Base model",
+    "warmstart": "2. SFT and reward model",
+    "ppo": "3. PPO",
+    "grpo": "4. Async GRPO",
+    "policies": "5. Results",
+    "probes": "6. Politeness exercise",
+}
+
+
+def captioned(path, caption, category):
+    """`path` flagged for Snakemake's report (captions are relative to this folder)."""
+    return report(str(path), caption=f"../workflow/report/{caption}", category=category)
+
+
 def stage_output(stage):
-    """A stage's outputs as layout names them; folders declared with directory()."""
-    return {
-        name: directory(str(path)) if name in layout.DIRECTORIES else path
-        for name, path in layout.outputs(stage, config).items()
-    }
+    """A stage's outputs as layout names them; folders declared with directory(), the files
+    of REPORTED and the figures flagged for `snakemake --report`."""
+    outputs = {}
+    for name, path in layout.outputs(stage, config).items():
+        if name in layout.DIRECTORIES:
+            path = directory(str(path))
+        elif (stage, name) in REPORTED:
+            path = captioned(path, *REPORTED[stage, name])
+        elif stage == "report" and name == "figures":
+            path = [
+                captioned(
+                    figure, f"figure-{figure.stem}.rst", FIGURE_CATEGORIES[figure.stem]
+                )
+                for figure in path
+            ]
+        outputs[name] = path
+    return outputs
 
 
 def stage_threads(stage):

@@ -10,12 +10,14 @@ import json
 import os
 import pickle
 import re
+import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import copy_workflow, reprorl, snakemake
 
 from reprorl import config as configuration
+from reprorl.layout import FIGURES
 from reprorl.manifest import read_json, sha256_file, write_json
 from reprorl.stages import STAGES
 
@@ -179,6 +181,31 @@ def test_generation_refuses_to_run_where_labels_are_visible(workflow):
 def test_noop_rerun_plans_nothing(workflow):
     out = run(workflow).stdout + run(workflow, "-n").stdout
     assert "Nothing to be done" in out
+
+
+def test_snakemake_report_carries_the_results(workflow, tmp_path):
+    """`snakemake --report` holds the results table, the rows CSV, the exercise, the resume
+    checks and every figure, each under its caption and category."""
+    archive = tmp_path / "report.zip"
+    run(workflow, "--report", str(archive))
+    with zipfile.ZipFile(archive) as bundle:
+        names = bundle.namelist()
+        text = "\n".join(bundle.read(name).decode("utf-8", "replace") for name in names
+                          if name.endswith((".html", ".js")))
+    reported = ["results.md", "results-rows.csv", "reward-shortcuts.json", "resume-check.json",
+                *(f"{figure}.png" for figure in FIGURES)]
+    for name in reported:
+        assert any(entry.endswith(name) for entry in names), name
+    results_md = (workflow / "outputs/results.md").read_bytes()
+    assert any(bundle_bytes == results_md for bundle_bytes in _members(archive, "results.md"))
+    for category in ("5. Results", "6. Politeness exercise", "7. Reproducibility", "3. PPO"):
+        assert category in text, category
+    assert "bootstrap interval over prompts" in text  # a caption, rendered
+
+
+def _members(archive: Path, suffix: str) -> list[bytes]:
+    with zipfile.ZipFile(archive) as bundle:
+        return [bundle.read(name) for name in bundle.namelist() if name.endswith(suffix)]
 
 
 def test_audit_target_passes(workflow):
