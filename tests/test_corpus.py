@@ -18,6 +18,7 @@ def generated():
 
 def test_audit_shows_the_seed_numbers(generated):
     summary = corpus.audit(generated)
+    assert (summary["dataset"], summary["revision"]) == ("OfficeHelpPrefs-v1", "reprorl-r1")
     assert summary["pairs"] == 1200
     assert summary["pairs_by_split"] == {"train": 840, "validation": 180, "test": 180}
     assert summary["families_by_split"] == {"train": 168, "validation": 36, "test": 36}

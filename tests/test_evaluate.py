@@ -1,5 +1,6 @@
 """Evaluation pieces on hand-made inputs: denominators, probe identity, refusals."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,10 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
             prompted([row(False, True, False), row(False, False)]), judged)}},
         "exercise": EXERCISE,
     }
-    text = evaluate.markdown(results)
+    markdown = evaluate.markdown(results)
+    assert "| policy | population | rows | rubric success |" in re.sub(r" {2,}", " ", markdown)
+    assert re.search(r"^\|:?-+\|:?-+\|", markdown, flags=re.MULTILINE)  # pandas' pipe tables
+    text = re.sub(r" {2,}", " ", markdown)  # the cells without the columns' padding
     assert "predicted simulated preference" in text and "no human study" in text
     assert "| sft | test_rows | 2 | 50.0 % [0.0, 100.0] |" in text
     assert "| ppo | test_rows | -50.0 points [-100.0, 0.0] (within noise) | +0.000 [0.00, 0.00]" \

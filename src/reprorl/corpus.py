@@ -1,4 +1,11 @@
-"""OfficeHelpPrefs-v1: the synthetic helpdesk corpus, its audit, and the `prepare` stage.
+"""OfficeHelpPrefs-v1 (revision reprorl-r1): the synthetic helpdesk corpus, its audit, and the
+`prepare` stage.
+
+Revision reprorl-r1 is this project's own rebuild of the tutorial's OfficeHelpPrefs-v1: the same
+populations, splits, six situations, probe design and seed, written in its own words (the
+symptom descriptions, gesture phrases, certainty frames and politeness formulas of `rubric.py`,
+the templates below) and with its own third population for the embedded base. Its prompts and
+answers are not the tutorial's texts, so its figures compare with the tutorial's in kind only.
 
 Populations (seed 49, all fixed by the specification):
 - 240 families, 40 per situation; per situation 28/6/6 families go to train/validation/test,
@@ -30,6 +37,7 @@ from .manifest import (
 from .rubric import CONTEXTS, evaluate_response, response
 
 SEED = 49
+DATASET, REVISION = "OfficeHelpPrefs-v1", "reprorl-r1"
 FAMILIES, FAMILIES_PER_ACTION, PAIRS_PER_FAMILY = 240, 40, 5
 SPLIT_SIZES = {"train": 28, "validation": 6, "test": 6}  # families per situation
 PROBE_CONTEXTS = 20
@@ -320,7 +328,8 @@ def audit(corpus: dict[str, list[dict]]) -> dict:
             f"rubric recovers correctness and politeness of {row['document_id']}",
         )
     return {
-        "dataset": "OfficeHelpPrefs-v1",
+        "dataset": DATASET,
+        "revision": REVISION,
         "seed": SEED,
         "families": FAMILIES,
         "pairs": len(pairs),

@@ -44,11 +44,12 @@ from .rubric import evaluate_response
 from .stages import EXPORTS, GRPO_RUNS, POLICIES, STAGES
 
 SCORE_NAME = "predicted simulated preference"
-SCOPE = ("Synthetic finite grammar and simulated preferences; no human study. The learned score "
-         "is a predicted simulated preference, not utility or satisfaction. Prose outside the "
-         "rubric's grammar is UNCERTIFIED (never a success, not necessarily wrong). The 80 probe "
-         "rows hold 20 unique contexts, and the 260 rows per policy hold 200 unique contexts: "
-         "rows are not independent situations.")
+SCOPE = (f"{corpus.DATASET}, revision {corpus.REVISION} (this project's own wording of the "
+         "tutorial's populations). Synthetic finite grammar and simulated preferences; no human "
+         "study. The learned score is a predicted simulated preference, not utility or "
+         "satisfaction. Prose outside the rubric's grammar is UNCERTIFIED (never a success, not "
+         "necessarily wrong). The 80 probe rows hold 20 unique contexts, and the 260 rows per "
+         "policy hold 200 unique contexts: rows are not independent situations.")
 UPSTREAM_STAGES = [name for name in STAGES if name not in ("evaluate", "report", "audit")]
 
 
@@ -185,11 +186,11 @@ def resume_checks() -> dict:
 
 
 def stage_timings() -> dict:
-    """Wall seconds and peak memory of every stage upstream of evaluation, from the manifests'
+    """Wall seconds, CPU seconds and peak memory of every stage upstream of evaluation, from the manifests'
     run sections (a fixed list, so stale manifests of other stages never leak in). They vary
     run to run, so they go to the evaluate manifest's run section and its log, never into
     results.json: two runs of the pipeline give the same results file, byte for byte."""
-    keys = ("wall_seconds", "peak_rss_mb")
+    keys = ("wall_seconds", "cpu_seconds", "peak_rss_mb")
     return {stage: {k: read_json(layout.manifest(stage))["run"].get(k) for k in keys}
             for stage in UPSTREAM_STAGES}
 
@@ -294,54 +295,61 @@ def _difference(d: dict, percent: bool) -> str:
     return text + (" (within noise)" if d["within_noise"] else "")
 
 
+def markdown_table(rows: list[dict]) -> list[str]:
+    """Rows of formatted cells as one pandas table in Markdown (pipe format, cells verbatim)."""
+    import pandas as pd
+
+    return [pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True)]
+
+
 def markdown(results: dict) -> str:
     lines = ["# reprorl results", "", results["scope"], "",
              ("Brackets: 95 % bootstrap intervals over prompts (rows that share a prompt are "
               f"drawn together; {uncertainty.RESAMPLES} resamples, seed {uncertainty.SEED})."),
-             ""]
-    header = ("| policy | population | rows | rubric success | recognized | UNCERTIFIED | "
-              "relevant (of recognized) | unsupported certainty (of recognized) | refusals | "
-              f"without EOS | mean tokens | mean {SCORE_NAME} | mean log-ratio to reference |")
-    lines += ["## Policies", "", header, "|" + "---|" * 13]
+             "", "## Policies", ""]
+    rows = []
     for policy, result in results["policies"].items():
         for name, m in result["metrics"].items():
             ci = m["intervals_95"]
-            lines.append(
-                f"| {policy} | {name} | {m['rows']} | "
-                f"{_with_interval(m['rubric_success_rate'], ci['rubric_success_rate'])} | "
-                f"{_percent(m['recognized_rate'])} | {m['uncertified']} | "
-                f"{_percent(m['relevant_rate_among_recognized'])} | "
-                f"{_percent(m['unsupported_certainty_rate_among_recognized'])} | "
-                f"{m['refusals']} | {m['without_eos']} | {m['mean_response_tokens']:.1f} | "
-                f"{_with_interval(m['mean_learned_score'], ci['mean_learned_score'], False)} | "
-                f"{m['mean_logratio_per_token']:.4f} |")
-    lines += ["", "## Difference to SFT (paired over the same prompts)", "",
-              f"| policy | population | rubric success | mean {SCORE_NAME} |", "|---|---|---|---|"]
-    for policy, by_population in results["difference_to_sft"].items():
-        for name, d in by_population.items():
-            cells = []
-            for key, percent in (("rubric_success_rate", True), ("mean_learned_score", False)):
-                cells.append(_difference(d[key], percent))
-            lines.append(f"| {policy} | {name} | {cells[0]} | {cells[1]} |")
+            rows.append({
+                "policy": policy, "population": name, "rows": str(m["rows"]),
+                "rubric success": _with_interval(m["rubric_success_rate"],
+                                                 ci["rubric_success_rate"]),
+                "recognized": _percent(m["recognized_rate"]),
+                "UNCERTIFIED": str(m["uncertified"]),
+                "relevant (of recognized)": _percent(m["relevant_rate_among_recognized"]),
+                "unsupported certainty (of recognized)":
+                    _percent(m["unsupported_certainty_rate_among_recognized"]),
+                "refusals": str(m["refusals"]), "without EOS": str(m["without_eos"]),
+                "mean tokens": f"{m['mean_response_tokens']:.1f}",
+                f"mean {SCORE_NAME}": _with_interval(m["mean_learned_score"],
+                                                     ci["mean_learned_score"], False),
+                "mean log-ratio to reference": f"{m['mean_logratio_per_token']:.4f}"})
+    lines += markdown_table(rows)
+    lines += ["", "## Difference to SFT (paired over the same prompts)", ""]
+    lines += markdown_table([
+        {"policy": policy, "population": name,
+         "rubric success": _difference(d["rubric_success_rate"], True),
+         f"mean {SCORE_NAME}": _difference(d["mean_learned_score"], False)}
+        for policy, by_population in results["difference_to_sft"].items()
+        for name, d in by_population.items()])
     test = results["reward_model_test"]
     lines += ["", "## Reward model", "",
               f"Accuracy on the 180 test pairs: {_percent(test['accuracy'])} "
               f"({test['correct']} correct, {test['ties']} ties); never used for selection.",
               "", "## Resume checks", ""]
     lines += [f"- {name}: {c['status']}" for name, c in results["resume_checks"].items()]
+    lines += ["", "## PPO sampled responses (temperature 1, during training)", ""]
     sampled = results["ppo_sampled_responses"]
-    lines += ["", "## PPO sampled responses (temperature 1, during training)", "",
-              "| window | rubric success | recognized | mean reward-model score |",
-              "|---|---|---|---|"]
-    for window in ("first_10", "last_10"):
-        w = sampled[window]
-        lines.append(f"| {window.replace('_', ' ')} iterations | "
-                     f"{_percent(w['rubric_success_rate'])} | {_percent(w['recognized_rate'])} "
-                     f"| {w['mean_reward_model_score']:.3f} |")
+    lines += markdown_table([
+        {"window": f"{window.replace('_', ' ')} iterations",
+         "rubric success": _percent(sampled[window]["rubric_success_rate"]),
+         "recognized": _percent(sampled[window]["recognized_rate"]),
+         "mean reward-model score": f"{sampled[window]['mean_reward_model_score']:.3f}"}
+        for window in ("first_10", "last_10")])
     lines += ["", ("## GRPO training (sampled at temperature 1; first -> last tenth of the "
-                   "training windows)"),
-              "", ("| run | steps | reward | reward kept | frac zero std | mean staleness | "
-                   "stale dropped (per window) |"), "|---|---|---|---|---|---|---|"]
+                   "training windows)"), ""]
+    rows = []
     for run, summary in results["grpo_training"].items():
         first, last = summary["first_windows"], summary["last_windows"]
 
@@ -349,9 +357,12 @@ def markdown(results: dict) -> str:
             values = [w.get(key) for w in (first, last)]
             return " -> ".join("n/a" if v is None else f"{v:.3g}" for v in values)
 
-        lines.append(f"| {run} | {summary['steps']} | {pair('reward')} | {pair('reward_kept')} "
-                     f"| {pair('frac_reward_zero_std')} | {pair('sample/staleness_mean')} | "
-                     f"{pair('sample/dropped_stale_count')} |")
+        rows.append({"run": run, "steps": str(summary["steps"]), "reward": pair("reward"),
+                     "reward kept": pair("reward_kept"),
+                     "frac zero std": pair("frac_reward_zero_std"),
+                     "mean staleness": pair("sample/staleness_mean"),
+                     "stale dropped (per window)": pair("sample/dropped_stale_count")})
+    lines += markdown_table(rows)
     lines += exercise_markdown(results["exercise"])
     return "\n".join(lines) + "\n"
 
@@ -365,14 +376,14 @@ def exercise_markdown(ex: dict) -> list[str]:
               f" contexts), {ex['mean_incorrect_politeness_delta']:+.3f} on wrong advice (raised"
               f" in {ex['politeness_raises_score_in_contexts']['incorrect']}). Every final "
               "checkpoint, the held-out generations and the config hashed the same before and "
-              "after; nothing refitted."), "",
-             ("| context | politeness change, correct advice | politeness change, wrong advice "
-              "| polite wrong outranks plain correct |"), "|---|---|---|---|"]
-    for c in ex["contexts_detail"]:
-        lines.append(f"| {c['family']} | {c['correct_politeness_delta']:+.3f} | "
-                     f"{c['incorrect_politeness_delta']:+.3f} | "
-                     f"{'yes' if c['polite_wrong_outranks_plain_correct'] else 'no'} |")
-    return lines
+              "after; nothing refitted."), ""]
+    return lines + markdown_table([
+        {"context": c["family"],
+         "politeness change, correct advice": f"{c['correct_politeness_delta']:+.3f}",
+         "politeness change, wrong advice": f"{c['incorrect_politeness_delta']:+.3f}",
+         "polite wrong outranks plain correct":
+             "yes" if c["polite_wrong_outranks_plain_correct"] else "no"}
+        for c in ex["contexts_detail"]])
 
 
 # ---------------------------------------------------------------- politeness exercise

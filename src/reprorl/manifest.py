@@ -266,6 +266,16 @@ def peak_rss_mb() -> float:
     return max(own, children) / 1024.0  # ru_maxrss is in KiB on Linux
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process since it started (imports included) and of its
+    finished children (a GRPO run's worker and server): the work a stage cost the machine."""
+    import resource
+
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                          resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 class StageRun:
     """Times a stage and, on success, writes its manifest last (after every output).
 
@@ -315,6 +325,7 @@ class StageRun:
         run = {
             "wall_seconds": round(time.perf_counter() - self.started, 3),
             "peak_rss_mb": round(peak_rss_mb(), 1),
+            "cpu_seconds": round(cpu_seconds(), 3),
             "started_at": self.started_at,
             "host": platform.node(),
             # cores this process may use (affinity, so a SLURM job's share): not hashed, since
