@@ -6,6 +6,7 @@ rule base_model:
         layout.log("base_model"),
     benchmark:
         layout.benchmark("base_model")
+    priority: stage_priority("base_model")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("base_model")

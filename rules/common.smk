@@ -71,6 +71,44 @@ def stage_threads(stage):
     return threads(stage, config)
 
 
+# Which ready job Snakemake starts first when the cores are short (higher first): a job's rank
+# is its longest path to the report in tens of seconds, from the stage times of a fresh
+# clone's default run on 2 cores (887aed2). So each branch's interrupt -> resume chain, whose
+# exports the rest waits for, goes before its straight run, which only its check reads; left to
+# itself Snakemake once started the GRPO verifier chain last, which then ran alone for 2 min.
+# It orders jobs only: no output depends on it.
+PRIORITY = {
+    "base_model": 59,
+    "prepare": 37,
+    "reward_interrupt": 37,
+    "reward_resume": 31,
+    "sft_interrupt": 30,
+    "sft_resume": 28,
+    "ppo_interrupt": 24,
+    "grpo_learned_interrupt": 22,
+    "ppo_continuous": 21,
+    "grpo_verifier_interrupt": 18,
+    "ppo_resume": 17,
+    "grpo_learned_continuous": 15,
+    "reward_continuous": 14,
+    "grpo_learned_resume": 14,
+    "grpo_verifier_resume": 12,
+    "grpo_verifier_continuous": 11,
+    "generation_inputs": 7,
+    "sft_continuous": 6,
+    "generate_grpo_verifier": 6,
+    "generate_grpo_learned": 6,
+    "generate_sft": 5,
+    "generate_ppo": 5,
+    "reward_test": 4,
+}
+
+
+def stage_priority(stage):
+    """The rule's `priority:` (PRIORITY; 1 for the short jobs near the end of every path)."""
+    return PRIORITY.get(stage, 1)
+
+
 def stage_params(stage):
     """The stage a rule runs, its code hash and its config subset (see the top)."""
     return {

@@ -9,6 +9,7 @@ rule prepare:
         layout.log("prepare"),
     benchmark:
         layout.benchmark("prepare")
+    priority: stage_priority("prepare")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("prepare")

@@ -13,6 +13,7 @@ rule reward_test:
         layout.log("reward_test"),
     benchmark:
         layout.benchmark("reward_test")
+    priority: stage_priority("reward_test")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("reward_test")
@@ -38,6 +39,7 @@ rule exercise:
         layout.log("exercise"),
     benchmark:
         layout.benchmark("exercise")
+    priority: stage_priority("exercise")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("exercise")
@@ -66,6 +68,7 @@ rule evaluate:
         layout.log("evaluate"),
     benchmark:
         layout.benchmark("evaluate")
+    priority: stage_priority("evaluate")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("evaluate")
@@ -94,6 +97,7 @@ rule report:
         layout.log("report"),
     benchmark:
         layout.benchmark("report")
+    priority: stage_priority("report")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("report")

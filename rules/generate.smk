@@ -12,6 +12,7 @@ rule generation_inputs:
         layout.log("generation_inputs"),
     benchmark:
         layout.benchmark("generation_inputs")
+    priority: stage_priority("generation_inputs")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("generation_inputs")
@@ -39,6 +40,7 @@ for policy in POLICIES:
             layout.log(stage),
         benchmark:
             layout.benchmark(stage)
+        priority: stage_priority(stage)
         shadow:
             "minimal"
         conda:

@@ -25,6 +25,7 @@ for branch in EXPORTS:
                 **layout.logs(stage),
             benchmark:
                 layout.benchmark(stage)
+            priority: stage_priority(stage)
             conda:
                 "../workflow/envs/reprorl.yaml"
             threads: stage_threads(stage)
@@ -49,6 +50,7 @@ for branch in EXPORTS:
             layout.log(stage),
         benchmark:
             layout.benchmark(stage)
+        priority: stage_priority(stage)
         conda:
             "../workflow/envs/reprorl.yaml"
         threads: stage_threads(stage)
@@ -71,6 +73,7 @@ rule sft_validation:
         layout.log("sft_validation"),
     benchmark:
         layout.benchmark("sft_validation")
+    priority: stage_priority("sft_validation")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("sft_validation")
@@ -92,6 +95,7 @@ rule ppo_report:
         layout.log("ppo_report"),
     benchmark:
         layout.benchmark("ppo_report")
+    priority: stage_priority("ppo_report")
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("ppo_report")

@@ -163,3 +163,26 @@ def test_packed_pairs_score_as_the_two_sequences_alone(four, encode):
     assert torch.equal(again, rejected.detach())
     with pytest.raises(ReproError, match="different prompts"):
         collate_pairs([(pairs[0][0], pairs[1][1])], 0)
+
+
+def test_generation_scores_each_distinct_answer_once_as_if_alone(four, encode):
+    """`generate.score_distinct` (the held-out rows' reference log-probs and learned scores):
+    batched by 8 with left padding, each equals scoring the response alone up to float
+    rounding (other reduction lengths); a repeated (prompt, response) is one entry."""
+    from reprorl.generate import score_distinct
+
+    prompts = [f"Situation {i}: " + "the screen flickers. " * (i % 4) for i in range(11)]
+    examples = [encode(p, "Next step: " + "check the cable. " * (1 + i % 3))
+                for i, p in enumerate(prompts)]
+    pairs = [(e.prompt_ids, e.response_ids) for e in examples]
+    scored = score_distinct(four["reference"], four["reward"], pairs + pairs[:3], 0)
+    assert list(scored) == pairs  # first-seen order, the repeats folded in
+    with torch.no_grad():
+        for e in examples:
+            logprobs, score = scored[e.prompt_ids, e.response_ids]
+            alone = collate([e], 0)
+            reference, _ = four["reference"].token_logprobs(alone)
+            assert len(logprobs) == len(e.response_ids)
+            torch.testing.assert_close(torch.tensor(logprobs), reference[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(score, float(four["reward"].score(alone)[0]),
+                                       rtol=0, atol=1e-5)

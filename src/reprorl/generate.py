@@ -7,6 +7,7 @@ it can see labels or learning outputs. Per row it records the response ids and t
 reason (eos or cut), whether the ids decode, the frozen reward model's score ("predicted
 simulated preference"), and the actor's and the reference's log-probs of each response token.
 The four probe rows of a context share one prompt; their greedy answers must be identical.
+Each distinct (prompt, response) is scored once, in left-padded batches of 8 in a fixed order.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from .errors import HeldOutError, ReproError
 from .exports import load_final
 from .manifest import peak_rss_mb, read_input, write_json
 from .progress import progress
-from .sampling import response_text, sample_many
 
 ROWS, DISTINCT_PROMPTS = 260, 200
+SCORING_ROWS = 8  # responses per scoring batch (reference log-probs and reward-model score)
 
 
 def generation_inputs() -> dict:
@@ -47,7 +48,31 @@ def assert_isolated() -> None:
 
 
 @torch.no_grad()
+def score_distinct(reference, reward, pairs: list[tuple[tuple[int, ...], tuple[int, ...]]],
+                   pad: int) -> dict:
+    """(prompt ids, response ids) -> (the reference's log-prob of each response token, the
+    reward model's score), each distinct pair once (the four rows of a probe context share one
+    prompt), in left-padded batches of SCORING_ROWS in first-seen order."""
+    distinct = list(dict.fromkeys(pairs))
+    scored = {}
+    bar = progress(len(distinct), "score")
+    for start in range(0, len(distinct), SCORING_ROWS):
+        chunk = distinct[start:start + SCORING_ROWS]
+        batch = collate([Example(str(i), p, r) for i, (p, r) in enumerate(chunk)], pad)
+        logprobs, mask = reference.token_logprobs(batch)
+        scores = reward.score(batch)
+        for row, pair in enumerate(chunk):
+            scored[pair] = (logprobs[row][mask[row]].tolist(), float(scores[row]))
+        bar.update(len(chunk))
+    bar.close()
+    return scored
+
+
+@torch.no_grad()
 def generate(config: dict, policy: str, log=print) -> dict:
+    # imported here: sampling brings in transformers (seconds), which generation_inputs never needs
+    from .sampling import response_text, sample_many
+
     assert_isolated()
     pages = read_input(layout.GENERATION_PAGES)
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -62,29 +87,26 @@ def generate(config: dict, policy: str, log=print) -> dict:
     # every row is sampled, repeats too: their equality below is a check of batch invariance
     results = sample_many(actor.backbone, prompts, limits["response_tokens"], eos,
                           limits["context_tokens"])
-    bar = progress(len(pages), f"score {policy}")
+    scored = score_distinct(reference, reward, [(tuple(ids), tuple(result.response_ids))
+                                                for ids, result in zip(prompts, results)], pad)
     for page, ids, result in zip(pages, prompts, results):
         text = response_text(tokenizer, result)
-        batch = collate([Example(page["document_id"], tuple(ids), tuple(result.response_ids))],
-                        pad)
-        reference_logprobs, _ = reference.token_logprobs(batch)
+        reference_logprobs, score = scored[tuple(ids), tuple(result.response_ids)]
         generation = {
             "response_ids": result.response_ids,
             "text": text,
             "finish_reason": result.finish_reason,
             "decodable": "\ufffd" not in text,
             "response_tokens": len(result.response_ids),
-            "learned_reward_score": float(reward.score(batch)[0]),
+            "learned_reward_score": score,
             "actor_logprobs": result.logprobs,
-            "reference_logprobs": reference_logprobs[0].tolist(),
+            "reference_logprobs": reference_logprobs,
         }
         if page["prompt"] in by_prompt and by_prompt[page["prompt"]] != generation:
             raise ReproError(f"{page['document_id']}: repeated greedy generations of one "
                              "prompt differ")
         by_prompt[page["prompt"]] = generation
         rows.append({"page": page, "generation": generation})
-        bar.update(1)
-    bar.close()
     seconds = time.perf_counter() - started
     result = {
         "policy": policy,

@@ -5,9 +5,9 @@ exhausted), sample one response each from the actor, the 4 decoded together by t
 batch-invariant engine (`sampling.sample_many`; temperature 1, full vocabulary, response <= 64
 tokens, each with its own generator seeded from the run's) recording the behaviour log-probs,
 then score the visited prefixes with the reference (log-probs) and the critic (values) and the
-finished responses with the reward model, all detached. Targets come from `objectives`; then
-2 updates of the actor and of the critic (two AdamW optimisers) on that same batch, the old log-probs and values never
-replaced. 100 iterations: 400 responses, 200 actor and 200 critic updates.
+finished responses with the reward model, all detached for the targets. Targets come from
+`objectives`; then 2 updates of the actor and of the critic (two AdamW optimisers) on that same
+batch, the old log-probs and values never replaced. 100 iterations: 400 responses, 200 actor and 200 critic updates.
 
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no
 rollout is ever pending in a state; `resume` runs the last 60 in a fresh process; `continuous`
@@ -15,7 +15,9 @@ runs 100. `ppo_resume_check` passes only on bitwise equality of the two final st
 Departures from the seed: sampling uses preallocated KV slots and decodes the 4 responses
 together (the seed recomputes the prefix per token, one response at a time: same distribution,
 same tokens, 3.5x faster, `benchmarks/sampling.py`); the 4 responses of an iteration are
-scored in one left-padded batch.
+scored in one left-padded batch; the critic's values and the re-scoring before the first update
+are that update's own forwards (kept with their graph), so actor and critic forward twice per
+iteration, not three times.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from .manifest import (
 from .progress import progress
 from .resumable import ResumableRun, optimizer_step
 from .rubric import evaluate_response
-from .sampling import response_text, sample_many
 from .schedule import linear_warmup_decay
 from .state import seed_everything
 
@@ -102,6 +103,9 @@ class PhaseTimer:
 def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generator, settings,
             limits, timer: PhaseTimer) -> tuple[list[dict], dict]:
     """Sample, score and build the targets of one iteration's responses."""
+    # imported here: sampling brings in transformers (seconds), which ppo_report never needs
+    from .sampling import response_text, sample_many
+
     actor = roles_["actor"]
     with timer("generation"):
         prompts = [prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
@@ -121,12 +125,15 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
     with torch.no_grad():
         with timer("reference_scoring"):
             logp_ref, _ = roles_["reference"].token_logprobs(batch)
-        with timer("critic_values"):
-            values, _ = roles_["critic"].values(batch)
         with timer("reward_scoring"):
             scores = roles_["reward"].score(batch)
-        with timer("teacher_forced_rescoring"):
-            logp_now, _ = actor.token_logprobs(batch)
+    # The first update's own forwards (same weights, same batch, graph kept): the critic's
+    # values for GAE and the actor's re-scored log-probs come from them, detached
+    with timer("critic_values"):
+        values_live, _ = roles_["critic"].values(batch)
+    with timer("teacher_forced_rescoring"):
+        logp_live, _ = actor.token_logprobs(batch)
+    values, logp_now = values_live.detach(), logp_live.detach()
     logp_old = right_aligned([s.logprobs for s in samples], width)
     cut = torch.tensor([s.finish_reason == "cut" for s in samples])
     rewards = objectives.token_rewards(logp_old, logp_ref, mask, scores, cut,
@@ -151,25 +158,28 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
     ]
     tensors = {"batch": batch, "mask": mask, "logp_old": logp_old, "advantages": advantages,
                "returns": returns,
-               "rescoring_gap": float(((logp_now - logp_old).abs() * mask).max())}
+               "rescoring_gap": float(((logp_now - logp_old).abs() * mask).max()),
+               "first_forwards": {"actor": logp_live, "critic": values_live}}
     return rollouts, tensors
 
 
 def update(roles_: dict, optimizers: dict, tensors: dict, lrs: dict, settings: dict,
            timer: PhaseTimer) -> dict:
-    """One update of the actor and one of the critic on the iteration's batch."""
+    """One update of the actor and one of the critic on the iteration's batch. The first
+    update takes the forwards `collect` ran with these weights; later ones forward again."""
     batch, mask = tensors["batch"], tensors["mask"]
+    first = tensors.pop("first_forwards", {})
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
     with timer("actor_optimisation"):
-        logp, _ = roles_["actor"].token_logprobs(batch)
+        logp = first["actor"] if first else roles_["actor"].token_logprobs(batch)[0]
         loss, stats = objectives.actor_loss(logp, tensors["logp_old"], tensors["advantages"],
                                           mask, settings["clip_epsilon"])
         stats["actor_loss"] = float(loss.detach())
         stats["actor_grad_norm"] = optimizer_step(optimizers["actor"], lrs["actor"], loss,
                                                   settings["max_grad_norm"], "PPO actor")
     with timer("critic_optimisation"):
-        values, _ = roles_["critic"].values(batch)
+        values = first["critic"] if first else roles_["critic"].values(batch)[0]
         loss = objectives.critic_loss(values, tensors["returns"], mask)
         stats["critic_loss"] = float(loss.detach())
         stats["critic_grad_norm"] = optimizer_step(optimizers["critic"], lrs["critic"], loss,
