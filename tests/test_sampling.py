@@ -55,6 +55,29 @@ def test_a_prompt_samples_the_same_bits_alone_and_among_any_others(model, greedy
     assert all(len(r.response_ids) == len(r.logprobs) <= 24 for r in alone)
 
 
+def test_a_group_sharing_a_prompt_reuses_one_prefill_with_the_same_bits(model):
+    """Samples of one prompt (a GRPO group) prefill it once and draw the bits each draws
+    alone, where nothing is reused; more prompts than the prefix cache holds still replay."""
+    from reprorl.engine import PREFIX_CACHE_PROMPTS, Engine, Params, Sequence
+
+    pool = prompts(PREFIX_CACHE_PROMPTS + 4, 7)
+    seeds = [[10 * i + k for k in range(4)] for i in range(len(pool))]
+    alone = [[sample_many(model, [p], 24, EOS, MAX_LEN, generators([seed]), rows=4)[0]
+              for seed in group] for p, group in zip(pool, seeds)]
+    params = Params(max_tokens=24, temperature=1.0, logprobs=0, eos_id=EOS)
+    seqs = [Sequence(list(p), params, None, generator)
+            for p, group in zip(pool, seeds) for generator in generators(group)]
+    engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
+    engine.generate(seqs)
+    for index, seq in enumerate(seqs):
+        expected = alone[index // 4][index % 4]
+        assert seq.generated == expected.response_ids
+        assert [lp for lp, _, _ in seq.logprobs] == expected.logprobs
+    prompt_tokens = sum(len(p) for p in pool)
+    assert engine.counters["prefix_cache_queries"] == 4 * prompt_tokens
+    assert engine.counters["prefix_cache_hits"] == 3 * prompt_tokens  # each prompt's 3 repeats
+
+
 def test_greedy_answers_match_one_sequence_decoding(model):
     """The engine and transformers' own cache pick the same tokens (log-probs may differ in
     the last bits: other kernels)."""

@@ -107,7 +107,8 @@ def test_models_and_metrics(server, tiny_model):
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
                  "vllm:num_requests_waiting", "vllm:num_preemptions_total",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                 "vllm:request_success_total"):
+                 "vllm:request_success_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
         assert name in values
 
 

@@ -9,7 +9,8 @@ top log-probs are bitwise the same whatever else runs beside it. Log-probs are v
 sequence samples with its own generator. `grpo/server.py` runs the engine in a background
 thread behind vLLM's HTTP API; `sampling.sample_many` drives it in the caller's thread
 (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per sequence, not paged
-blocks; no preemption (a sequence waits for a free slot); sampling is `torch.multinomial`.
+blocks; no preemption (a sequence waits for a free slot); sampling is `torch.multinomial`;
+prefix caching reuses whole prompts only (the last 16 prefills), not shared blocks of them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import inspect
 import logging
 import math
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 log = logging.getLogger("reprorl.serve")
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
+PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -160,7 +162,8 @@ class Engine(threading.Thread):
     16 rows the bits differ from above, but at a fixed count not on the row's place or the
     other rows' values); the attended
     length is the group's longest row rounded up to 64 (with the positions beyond each row
-    masked, the result does not depend on that length, measured); a prompt is prefilled alone;
+    masked, the result does not depend on that length, measured); a prompt is prefilled alone
+(the samples of a group, which share it, reuse one prefill: the same forward, the same bits);
     a sequence keeps its slot until it ends, so nothing is ever recomputed (no preemption: a
     request waits for a free slot). `tests/test_server.py` checks the invariance end to end.
     """
@@ -181,7 +184,11 @@ class Engine(threading.Thread):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stopping = False
-        self.counters = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self.counters = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0,
+                         "prefix_cache_queries": 0, "prefix_cache_hits": 0}  # in tokens
+        # (adapter id, prompt) -> (adapter, per-layer KV, last logits) of recent prefills: a
+        # group's samples share one prompt, and the same forward would give the same bits
+        self.prefixes: OrderedDict[tuple, tuple] = OrderedDict()
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
 
     def generate(self, seqs: list[Sequence]) -> None:
@@ -284,24 +291,38 @@ class Engine(threading.Thread):
             return None
 
     def prefill(self, seq: Sequence) -> None:
-        """The prompt alone (its own shape, whatever else runs), its KV copied into its slot."""
-        self.activate(seq.adapter)
-        try:
-            output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
-                                logits_to_keep=1)
-        finally:
-            self.activate(None)
-        layers = output[self.cache_arg].layers
-        if self.cache is None:
-            self.cache = self.allocate(layers)
-        for slot_layer, layer in zip(self.cache.layers, layers):
+        """The prompt alone (its own shape, whatever else runs), its KV copied into its slot;
+        a prompt prefilled lately with the same adapter reuses that forward's KV and logits."""
+        key = (id(seq.adapter), tuple(seq.tokens))
+        self.counters["prefix_cache_queries"] += seq.length
+        hit = self.prefixes.get(key)
+        if hit is not None and hit[0] is seq.adapter:  # the same object: the same weights
+            self.prefixes.move_to_end(key)
+            self.counters["prefix_cache_hits"] += seq.length
+            _, kv, logits = hit
+        else:
+            self.activate(seq.adapter)
+            try:
+                output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
+                                    logits_to_keep=1)
+            finally:
+                self.activate(None)
+            layers = output[self.cache_arg].layers
+            if self.cache is None:
+                self.cache = self.allocate(layers)
+            kv = [(layer.keys[0], layer.values[0]) for layer in layers]
+            logits = output.logits[0, -1]
+            self.prefixes[key] = (seq.adapter, kv, logits)
+            if len(self.prefixes) > PREFIX_CACHE_PROMPTS:
+                self.prefixes.popitem(last=False)
+        for slot_layer, (keys, values) in zip(self.cache.layers, kv):
             # zeroed first: a masked position still meets its weight 0 in the attention sum,
             # and 0 x Inf left by an earlier occupant would be NaN
             slot_layer.keys[seq.slot].zero_()
             slot_layer.values[seq.slot].zero_()
-            slot_layer.keys[seq.slot, :, :seq.length] = layer.keys[0]
-            slot_layer.values[seq.slot, :, :seq.length] = layer.values[0]
-        self.sample(seq, output.logits[0, -1])
+            slot_layer.keys[seq.slot, :, :seq.length] = keys
+            slot_layer.values[seq.slot, :, :seq.length] = values
+        self.sample(seq, logits)
 
     def allocate(self, layers) -> Cache:
         shapes = [(self.slots, layer.keys.shape[1], self.max_len, layer.keys.shape[3])
