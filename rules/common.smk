@@ -101,6 +101,8 @@ PRIORITY = {
     "generate_sft": 5,
     "generate_ppo": 5,
     "reward_test": 4,
+    # evaluate's one input without a long path to it: ready early, it must not be left last
+    "sft_validation": 4,
 }
 
 

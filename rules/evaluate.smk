@@ -62,6 +62,13 @@ rule evaluate:
         sft_validation=rules.sft_validation.output.report,
         ppo_sampled=rules.ppo_report.output.report,
         exercise=rules.exercise.output.shortcuts,
+        # the training record: audit counts, validation per epoch, PPO's re-scoring gap, sizes
+        audit=rules.prepare.output.audit,
+        learning=[
+            str(layout.learning_report(branch, "continuous"))
+            for branch in ("sft", "reward", "ppo")
+        ],
+        finals=[str(layout.final(name)) for names in EXPORTS.values() for name in names],
     output:
         **stage_output("evaluate"),
     log:

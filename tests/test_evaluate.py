@@ -145,6 +145,18 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
         "difference_to_sft": {"ppo": {"test_rows": uncertainty.paired_difference(
             prompted([row(False, True, False), row(False, False)]), judged)}},
         "exercise": EXERCISE,
+        "training_record": {
+            "data_audit": {"dataset": "OfficeHelpPrefs-v1", "revision": "reprorl-r1", "seed": 49,
+                           "pairs_by_split": {"train": 840}, "families_by_split": {"train": 168},
+                           "warmstart_demonstrations": 168, "rollout_prompts": 672,
+                           "distinct_pair_demo_rollout_prompts": 2040, "probe_rows": 80,
+                           "unique_probe_contexts": 20},
+            "validation_per_epoch": {"sft": [{"epoch": 1, "loss": 0.5}],
+                                     "reward": [{"epoch": 1, "loss": 0.25, "accuracy": 0.75}]},
+            "ppo_rescoring_gap": {"before_first_update": 0.0, "max_over_iterations": 2e-6},
+            "checkpoint_bytes": {"final_exports": {"ppo": 943240},
+                                 "continuous_states": {"ppo": {"raw_bytes": 9, "gzip_bytes": 8}}},
+        },
     }
     markdown = evaluate.markdown(results)
     assert "| policy | population | rows | rubric success |" in re.sub(r" {2,}", " ", markdown)
@@ -155,5 +167,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
     assert "| ppo | test_rows | -50.0 points [-100.0, 0.0] (within noise) | +0.000 [0.00, 0.00]" \
            " (within noise) |" in text
     assert "outranks plain correct advice in 14 of 20 contexts" in text
+    assert "| reward | 1 | 0.2500 | 75.0 % |" in text and "| sft | 1 | 0.5000 | n/a |" in text
+    assert "| ppo-final.safetensors | 943240 |" in text and "at most 2e-06" in text
     assert "| f0 | +0.500 | -0.250 | yes |" in text and "| f19 | +0.500 | -0.250 | no |" in text
     assert "| verifier | 3 | 0.25 -> 0.75 | n/a -> n/a | n/a -> n/a | 1 -> n/a |" in text

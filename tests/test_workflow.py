@@ -140,6 +140,25 @@ def test_results_fit_their_schema_and_invariants(workflow):
     assert "no human study" in table and "predicted simulated preference" in table
     assert len(list((workflow / "outputs/report").glob("*.png"))) == 6
     assert "## GRPO training" in table
+    record = results["training_record"]
+    assert record["data_audit"]["pairs_by_split"] == {"train": 840, "validation": 180,
+                                                      "test": 180}
+    ppo = read_json(workflow / "outputs/learning/ppo/continuous.json")
+    assert record["ppo_rescoring_gap"]["before_first_update"] == ppo["history"][0][
+        "rescoring_gap"]
+    assert record["checkpoint_bytes"]["final_exports"]["ppo"] == (
+        workflow / "assets/checkpoints/ppo-final.safetensors").stat().st_size
+    assert [v["epoch"] for v in record["validation_per_epoch"]["reward"]] == [1, 2]
+    assert "## Training record" in table and "reprorl costs" in table
+
+
+def test_costs_lists_every_stage_from_its_manifest(workflow):
+    result = reprorl(workflow, "costs", check=True)
+    stages = json.loads(result.stdout)
+    manifest = read_json(workflow / "outputs/manifests/ppo_continuous.json")["run"]
+    assert stages["ppo_continuous"]["phase_seconds"] == manifest["phase_seconds"]
+    assert stages["ppo_continuous"]["cpu_seconds"] == manifest["cpu_seconds"] > 0
+    assert {"base_model", "evaluate", "report"} <= set(stages)
 
 
 def test_exercise_left_every_hash_unchanged(workflow):

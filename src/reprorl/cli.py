@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
                         help="vLLM-compatible generation server (reprorl serve --help)")
     audit = commands.add_parser("audit", help="re-hash every file named by every manifest")
     audit.add_argument("--manifests", default=str(layout.MANIFESTS))
+    costs = commands.add_parser(
+        "costs", help="every stage's wall and CPU seconds and peak memory, from the manifests")
+    costs.add_argument("--manifests", default=str(layout.MANIFESTS))
     table = commands.add_parser(
         "readme-results", help="rewrite the README's results block from a run's outputs")
     table.add_argument("--results", default=str(layout.RESULTS))
@@ -69,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "audit":
             result = audit_manifests(args.manifests)
+        elif args.command == "costs":
+            from .evaluate import costs
+
+            result = costs(args.manifests)
         elif args.command == "readme-results":
             from . import readme
 

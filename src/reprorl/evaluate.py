@@ -195,6 +195,55 @@ def stage_timings() -> dict:
             for stage in UPSTREAM_STAGES}
 
 
+AUDIT_COUNTS = ("dataset", "revision", "seed", "pairs_by_split", "families_by_split",
+                "warmstart_demonstrations", "rollout_prompts",
+                "distinct_pair_demo_rollout_prompts", "probe_rows", "unique_probe_contexts",
+                "generations_per_policy", "unique_contexts_per_policy")
+
+
+def training_record() -> dict:
+    """What the tutorial asks to publish beside the scores, where it is the same in every run:
+    the data audit's counts, SFT's and the reward model's validation per epoch, PPO's
+    re-scoring gap, and the bytes of every final export and every continuous branch state.
+    Timings and peak memory vary run to run, so they stay out of results (see `costs`)."""
+    audit = read_input(layout.DATA_AUDIT)
+    reports = {branch: read_input(layout.learning_report(branch, "continuous"))
+               for branch in EXPORTS}
+    gaps = [entry["rescoring_gap"] for entry in reports["ppo"]["history"]]
+    finals = {}
+    for name in (name for names in EXPORTS.values() for name in names):
+        record_read(layout.final(name))
+        finals[name] = layout.final(name).stat().st_size
+    return {
+        "data_audit": {key: audit[key] for key in AUDIT_COUNTS},
+        "validation_per_epoch": {branch: reports[branch]["validation_history"]
+                                 for branch in ("sft", "reward")},
+        "ppo_rescoring_gap": {
+            "before_first_update": gaps[0], "max_over_iterations": max(gaps),
+            "meaning": "largest |actor log-prob re-scored by a full forward - behaviour "
+                       "log-prob recorded while sampling| over an iteration's response "
+                       "tokens, before its first update (same weights: float rounding only)"},
+        "checkpoint_bytes": {
+            "final_exports": finals,
+            "continuous_states": {branch: {k: report["checkpoint"][k]
+                                           for k in ("raw_bytes", "gzip_bytes")}
+                                  for branch, report in reports.items()}},
+    }
+
+
+def costs(manifests: str | Path = layout.MANIFESTS) -> dict:
+    """Every stage's wall and CPU seconds and peak memory, and PPO's phase timings, from the
+    manifests' run sections: the costs a run published outside its results (they vary)."""
+    stages = {}
+    for path in sorted(Path(manifests).glob("*.json")):
+        run = read_json(path)["run"]
+        stages[path.stem] = {k: run.get(k) for k in ("wall_seconds", "cpu_seconds",
+                                                      "peak_rss_mb")}
+        if "phase_seconds" in run:
+            stages[path.stem]["phase_seconds"] = run["phase_seconds"]
+    return stages
+
+
 def evaluate(config: dict, policies: list[str]) -> dict:
     """outputs/results.json and results.md; refuses unless every resume check is PASS."""
     checks = resume_checks()
@@ -214,6 +263,7 @@ def evaluate(config: dict, policies: list[str]) -> dict:
             for run in GRPO_RUNS},
         "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
         "exercise": {k: v for k, v in read_input(layout.EXERCISE).items() if k != "rows"},
+        "training_record": training_record(),
     }
     baseline = populations(results["policies"]["sft"]["rows"])
     results["difference_to_sft"] = {
@@ -364,7 +414,39 @@ def markdown(results: dict) -> str:
                      "stale dropped (per window)": pair("sample/dropped_stale_count")})
     lines += markdown_table(rows)
     lines += exercise_markdown(results["exercise"])
+    lines += record_markdown(results["training_record"])
     return "\n".join(lines) + "\n"
+
+
+def record_markdown(record: dict) -> list[str]:
+    audit, gap = record["data_audit"], record["ppo_rescoring_gap"]
+    sizes = record["checkpoint_bytes"]
+    lines = ["", "## Training record", "",
+             (f"Data: {audit['dataset']} revision {audit['revision']}, seed {audit['seed']}; "
+              f"pairs by split {audit['pairs_by_split']}, families by split "
+              f"{audit['families_by_split']}; {audit['warmstart_demonstrations']} SFT "
+              f"demonstrations, {audit['rollout_prompts']} rollout prompts, "
+              f"{audit['distinct_pair_demo_rollout_prompts']} distinct pair/demo/rollout "
+              f"prompts, {audit['probe_rows']} probe rows in {audit['unique_probe_contexts']} "
+              "contexts."), "",
+             (f"PPO re-scoring gap (|re-scored - behaviour log-prob|, same weights): "
+              f"{gap['before_first_update']:.3g} before the first update, at most "
+              f"{gap['max_over_iterations']:.3g} over the 100 iterations."), "",
+             "Validation per epoch (never used for selection):", ""]
+    lines += markdown_table([
+        {"model": branch, "epoch": str(v["epoch"]), "loss": f"{v['loss']:.4f}",
+         "accuracy": _percent(v.get("accuracy"))}
+        for branch, history in record["validation_per_epoch"].items() for v in history])
+    lines += ["", "Checkpoint sizes (bytes):", ""]
+    lines += markdown_table(
+        [{"file": f"{name}-final.safetensors", "bytes": str(size)}
+         for name, size in sizes["final_exports"].items()]
+        + [{"file": f"{branch}-continuous.pt.gz (raw)",
+            "bytes": f"{state['gzip_bytes']} ({state['raw_bytes']})"}
+           for branch, state in sizes["continuous_states"].items()])
+    return lines + ["", ("Stage timings, CPU seconds, peak memory and PPO's phase timings vary "
+                         "run to run, so this file leaves them out: `python -m reprorl costs` "
+                         "prints them from the run's manifests.")]
 
 
 def exercise_markdown(ex: dict) -> list[str]:
