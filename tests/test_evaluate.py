@@ -83,6 +83,18 @@ EXERCISE = {"contexts": 20, "probe_rows": 80, "polite_wrong_outranks_plain_corre
                                  "polite_wrong_outranks_plain_correct": i < 14}
                                 for i in range(20)],
             "hashes_unchanged": {}, "refit": False}
+TRAINING_RECORD = {
+    "data_audit": {"dataset": "OfficeHelpPrefs-v1", "revision": "reprorl-r1", "seed": 49,
+                   "pairs_by_split": {"train": 840}, "families_by_split": {"train": 168},
+                   "warmstart_demonstrations": 168, "rollout_prompts": 672,
+                   "distinct_pair_demo_rollout_prompts": 2040, "probe_rows": 80,
+                   "unique_probe_contexts": 20},
+    "validation_per_epoch": {"sft": [{"epoch": 1, "loss": 0.5}],
+                             "reward": [{"epoch": 1, "loss": 0.25, "accuracy": 0.75}]},
+    "ppo_rescoring_gap": {"before_first_update": 0.0, "max_over_iterations": 2e-6},
+    "checkpoint_bytes": {"final_exports": {"ppo": 943240},
+                         "continuous_states": {"ppo": {"raw_bytes": 9, "gzip_bytes": 8}}},
+}
 
 
 def prompted(rows: list[dict]) -> list[dict]:
@@ -145,18 +157,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
         "difference_to_sft": {"ppo": {"test_rows": uncertainty.paired_difference(
             prompted([row(False, True, False), row(False, False)]), judged)}},
         "exercise": EXERCISE,
-        "training_record": {
-            "data_audit": {"dataset": "OfficeHelpPrefs-v1", "revision": "reprorl-r1", "seed": 49,
-                           "pairs_by_split": {"train": 840}, "families_by_split": {"train": 168},
-                           "warmstart_demonstrations": 168, "rollout_prompts": 672,
-                           "distinct_pair_demo_rollout_prompts": 2040, "probe_rows": 80,
-                           "unique_probe_contexts": 20},
-            "validation_per_epoch": {"sft": [{"epoch": 1, "loss": 0.5}],
-                                     "reward": [{"epoch": 1, "loss": 0.25, "accuracy": 0.75}]},
-            "ppo_rescoring_gap": {"before_first_update": 0.0, "max_over_iterations": 2e-6},
-            "checkpoint_bytes": {"final_exports": {"ppo": 943240},
-                                 "continuous_states": {"ppo": {"raw_bytes": 9, "gzip_bytes": 8}}},
-        },
+        "training_record": TRAINING_RECORD,
     }
     markdown = evaluate.markdown(results)
     assert "| policy | population | rows | rubric success |" in re.sub(r" {2,}", " ", markdown)

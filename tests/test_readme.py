@@ -1,7 +1,12 @@
 """`reprorl readme-results`: the README's results block rebuilt from a run's outputs."""
 
 import pytest
-from test_evaluate import EXERCISE, prompted, row  # the tests folder is on sys.path
+from test_evaluate import (  # the tests folder is on sys.path
+    EXERCISE,
+    TRAINING_RECORD,
+    prompted,
+    row,
+)
 
 from reprorl import cli, evaluate, readme, uncertainty
 from reprorl.manifest import write_json
@@ -50,6 +55,7 @@ def _results() -> dict:
             _rows(successes, 0.0), _rows(3, 0.0))) for policy, successes in (
                 ("ppo", 2), ("grpo_verifier", 4), ("grpo_learned", 1))},
         "exercise": EXERCISE,
+        "training_record": TRAINING_RECORD,
     }
 
 

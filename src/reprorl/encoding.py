@@ -94,7 +94,8 @@ class PairBatch:
 
 def collate_pairs(pairs: list[tuple[Example, Example]], pad_id: int) -> PairBatch:
     """Pairs of one prompt packed into rows (`PairBatch`): about 45 % fewer tokens than the
-    two sequences of each pair side by side (1,040 against 1,904 for 8 default-profile pairs). A pad sees only itself (no empty softmax)."""
+    two sequences of each pair side by side (1,040 against 1,904 for 8 default-profile pairs).
+    A pad sees only itself (no empty softmax)."""
     width = max(len(c.input_ids) + len(r.response_ids) for c, r in pairs)
     input_ids = torch.full((len(pairs), width), pad_id, dtype=torch.long)
     positions = torch.zeros((len(pairs), width), dtype=torch.long)

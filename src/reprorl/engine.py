@@ -163,7 +163,7 @@ class Engine(threading.Thread):
     other rows' values); the attended
     length is the group's longest row rounded up to 64 (with the positions beyond each row
     masked, the result does not depend on that length, measured); a prompt is prefilled alone
-(the samples of a group, which share it, reuse one prefill: the same forward, the same bits);
+    (the samples of a group, which share it, reuse one prefill: the same forward, same bits);
     a sequence keeps its slot until it ends, so nothing is ever recomputed (no preemption: a
     request waits for a free slot). `tests/test_server.py` checks the invariance end to end.
     """

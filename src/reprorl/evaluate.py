@@ -186,10 +186,11 @@ def resume_checks() -> dict:
 
 
 def stage_timings() -> dict:
-    """Wall seconds, CPU seconds and peak memory of every stage upstream of evaluation, from the manifests'
-    run sections (a fixed list, so stale manifests of other stages never leak in). They vary
-    run to run, so they go to the evaluate manifest's run section and its log, never into
-    results.json: two runs of the pipeline give the same results file, byte for byte."""
+    """Wall seconds, CPU seconds and peak memory of every stage upstream of evaluation, from
+    the manifests' run sections (a fixed list, so stale manifests of other stages never leak
+    in). They vary run to run, so they go to the evaluate manifest's run section and its log,
+    never into results.json: two runs of the pipeline give the same results file, byte for
+    byte."""
     keys = ("wall_seconds", "cpu_seconds", "peak_rss_mb")
     return {stage: {k: read_json(layout.manifest(stage))["run"].get(k) for k in keys}
             for stage in UPSTREAM_STAGES}
@@ -551,7 +552,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         # make the audit call the results stale
         summary = evaluate(config, list(POLICIES))
         run_info = {"stage_timings": stage_timings()}
-        log("stage timings (wall seconds, peak RSS MB): " + json.dumps(run_info))
+        log("stage timings (wall and CPU seconds, peak RSS MB): " + json.dumps(run_info))
     run.finish(summary=summary, run_info=run_info)
     log(str(summary))
     return summary

@@ -84,7 +84,8 @@ def generate(config: dict, policy: str, log=print) -> dict:
     started = time.perf_counter()
     prompts = [prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
                for page in pages]
-    # every row is sampled, repeats too: their equality below is a check of batch invariance
+    # every row is sampled, repeats too: their equality below checks the decode rows' batch
+    # invariance (a probe context's four rows share one cached prefill and one scored entry)
     results = sample_many(actor.backbone, prompts, limits["response_tokens"], eos,
                           limits["context_tokens"])
     scored = score_distinct(reference, reward, [(tuple(ids), tuple(result.response_ids))

@@ -6,8 +6,9 @@ batch-invariant engine (`sampling.sample_many`; temperature 1, full vocabulary, 
 tokens, each with its own generator seeded from the run's) recording the behaviour log-probs,
 then score the visited prefixes with the reference (log-probs) and the critic (values) and the
 finished responses with the reward model, all detached for the targets. Targets come from
-`objectives`; then 2 updates of the actor and of the critic (two AdamW optimisers) on that same
-batch, the old log-probs and values never replaced. 100 iterations: 400 responses, 200 actor and 200 critic updates.
+`objectives`; then 2 updates of the actor and of the critic (two AdamW optimisers) on that
+same batch, the old log-probs and values never replaced. 100 iterations: 400 responses, 200
+actor and 200 critic updates.
 
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no
 rollout is ever pending in a state; `resume` runs the last 60 in a fresh process; `continuous`
@@ -17,7 +18,9 @@ together (the seed recomputes the prefix per token, one response at a time: same
 same tokens, 3.5x faster, `benchmarks/sampling.py`); the 4 responses of an iteration are
 scored in one left-padded batch; the critic's values and the re-scoring before the first update
 are that update's own forwards (kept with their graph), so actor and critic forward twice per
-iteration, not three times.
+iteration, not three times: the `critic_values` and `teacher_forced_rescoring` phase timings
+include building those graphs (the first update's `*_optimisation` time has no forward), and
+both graphs are alive at once until the critic's first update.
 """
 
 from __future__ import annotations
