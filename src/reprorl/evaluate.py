@@ -191,9 +191,13 @@ def stage_timings() -> dict:
     in). They vary run to run, so they go to the evaluate manifest's run section and its log,
     never into results.json: two runs of the pipeline give the same results file, byte for
     byte."""
-    keys = ("wall_seconds", "cpu_seconds", "peak_rss_mb")
-    return {stage: {k: read_json(layout.manifest(stage))["run"].get(k) for k in keys}
+    return {stage: run_costs(read_json(layout.manifest(stage))["run"])
             for stage in UPSTREAM_STAGES}
+
+
+def run_costs(run: dict) -> dict:
+    """A manifest run section's costs: wall and CPU seconds, peak memory."""
+    return {k: run.get(k) for k in ("wall_seconds", "cpu_seconds", "peak_rss_mb")}
 
 
 AUDIT_COUNTS = ("dataset", "revision", "seed", "pairs_by_split", "families_by_split",
@@ -202,14 +206,13 @@ AUDIT_COUNTS = ("dataset", "revision", "seed", "pairs_by_split", "families_by_sp
                 "generations_per_policy", "unique_contexts_per_policy")
 
 
-def training_record() -> dict:
+def training_record(reports: dict[str, dict]) -> dict:
     """What the tutorial asks to publish beside the scores, where it is the same in every run:
     the data audit's counts, SFT's and the reward model's validation per epoch, PPO's
     re-scoring gap, and the bytes of every final export and every continuous branch state.
-    Timings and peak memory vary run to run, so they stay out of results (see `costs`)."""
+    Timings and peak memory vary run to run, so they stay out of results (see `costs`).
+    `reports`: each branch's continuous learning report, by branch."""
     audit = read_input(layout.DATA_AUDIT)
-    reports = {branch: read_input(layout.learning_report(branch, "continuous"))
-               for branch in EXPORTS}
     gaps = [entry["rescoring_gap"] for entry in reports["ppo"]["history"]]
     finals = {}
     for name in (name for names in EXPORTS.values() for name in names):
@@ -238,8 +241,7 @@ def costs(manifests: str | Path = layout.MANIFESTS) -> dict:
     stages = {}
     for path in sorted(Path(manifests).glob("*.json")):
         run = read_json(path)["run"]
-        stages[path.stem] = {k: run.get(k) for k in ("wall_seconds", "cpu_seconds",
-                                                      "peak_rss_mb")}
+        stages[path.stem] = run_costs(run)
         if "phase_seconds" in run:
             stages[path.stem]["phase_seconds"] = run["phase_seconds"]
     return stages
@@ -249,6 +251,8 @@ def evaluate(config: dict, policies: list[str]) -> dict:
     """outputs/results.json and results.md; refuses unless every resume check is PASS."""
     checks = resume_checks()
     gold = {g["document_id"]: g for g in corpus.read("labels/gold.json", "evaluation")}
+    reports = {branch: read_input(layout.learning_report(branch, "continuous"))
+               for branch in EXPORTS}
     results = {
         "scope": SCOPE,
         "learned_score_name": SCORE_NAME,
@@ -259,12 +263,11 @@ def evaluate(config: dict, policies: list[str]) -> dict:
                            if k != "rows"},
         "ppo_sampled_responses": {k: v for k, v in read_input(layout.PPO_SAMPLED).items()
                                   if k != "iterations"},
-        "grpo_training": {run: {k: v for k, v in read_input(
-            layout.learning_report(f"grpo_{run}", "continuous")).items() if k != "history"}
-            for run in GRPO_RUNS},
+        "grpo_training": {run: {k: v for k, v in reports[f"grpo_{run}"].items()
+                                if k != "history"} for run in GRPO_RUNS},
         "policies": {policy: evaluate_policy(policy, gold) for policy in policies},
         "exercise": {k: v for k, v in read_input(layout.EXERCISE).items() if k != "rows"},
-        "training_record": training_record(),
+        "training_record": training_record(reports),
     }
     baseline = populations(results["policies"]["sft"]["rows"])
     results["difference_to_sft"] = {

@@ -88,11 +88,11 @@ def generate(config: dict, policy: str, log=print) -> dict:
     # invariance (a probe context's four rows share one cached prefill and one scored entry)
     results = sample_many(actor.backbone, prompts, limits["response_tokens"], eos,
                           limits["context_tokens"])
-    scored = score_distinct(reference, reward, [(tuple(ids), tuple(result.response_ids))
-                                                for ids, result in zip(prompts, results)], pad)
-    for page, ids, result in zip(pages, prompts, results):
+    pairs = [(tuple(ids), tuple(result.response_ids)) for ids, result in zip(prompts, results)]
+    scored = score_distinct(reference, reward, pairs, pad)
+    for page, pair, result in zip(pages, pairs, results):
         text = response_text(tokenizer, result)
-        reference_logprobs, score = scored[tuple(ids), tuple(result.response_ids)]
+        reference_logprobs, score = scored[pair]
         generation = {
             "response_ids": result.response_ids,
             "text": text,
