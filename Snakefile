@@ -16,9 +16,11 @@ include: "rules/common.smk"
 include: "rules/data.smk"
 include: "rules/base_model.smk"
 include: "rules/training.smk"
+include: "rules/curves.smk"
 include: "rules/generate.smk"
 include: "rules/evaluate.smk"
 include: "rules/audit.smk"
+include: "rules/seeds.smk"
 
 
 rule all:

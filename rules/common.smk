@@ -5,11 +5,13 @@
 # passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the
 # part of the configuration it reads: editing src/reprorl/base_model.py or model.* re-runs
 # base_model and its dependents only.
+import json
+
 from reprorl import layout
 from reprorl.codehash import code_hash
 from reprorl.config import stage_config_json, validate
 from reprorl.errors import ConfigError
-from reprorl.stages import EXPORTS, GRPO_RUNS, MODES, POLICIES, threads
+from reprorl.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, threads
 from snakemake.exceptions import WorkflowError
 
 # Snakemake parses --configfile itself (YAML .nan included): validate sees every value. A
@@ -37,6 +39,7 @@ FIGURE_CATEGORIES = {
     "ppo": "3. PPO",
     "grpo": "4. Async GRPO",
     "policies": "5. Results",
+    "curves": "5. Results",
     "probes": "6. Politeness exercise",
 }
 
@@ -103,6 +106,8 @@ PRIORITY = {
     "reward_test": 4,
     # evaluate's one input without a long path to it: ready early, it must not be left last
     "sft_validation": 4,
+    # the curves of PPO and GRPO: ready when their straight run ends, as generation is
+    **{f"curve_{branch}": 5 for branch in CURVES},
 }
 
 

@@ -60,6 +60,7 @@ rule evaluate:
         ],
         resume_checks=[str(layout.resume_check(branch)) for branch in EXPORTS],
         sft_validation=rules.sft_validation.output.report,
+        curves=[str(layout.curve(branch)) for branch in CURVES],
         ppo_sampled=rules.ppo_report.output.report,
         exercise=rules.exercise.output.shortcuts,
         # the training record: audit counts, validation per epoch, PPO's re-scoring gap, sizes

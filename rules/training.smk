@@ -60,29 +60,6 @@ for branch in EXPORTS:
             STAGE_COMMAND
 
 
-# Greedy rubric success of the final SFT actor on the 180 validation prompts (measured, never
-# used to select anything).
-rule sft_validation:
-    input:
-        corpus=rules.prepare.output.manifest,
-        model=rules.base_model.output.manifest,
-        actor=final_files("sft"),
-    output:
-        **stage_output("sft_validation"),
-    log:
-        layout.log("sft_validation"),
-    benchmark:
-        layout.benchmark("sft_validation")
-    priority: stage_priority("sft_validation")
-    conda:
-        "../workflow/envs/reprorl.yaml"
-    threads: stage_threads("sft_validation")
-    params:
-        **stage_params("sft_validation"),
-    shell:
-        STAGE_COMMAND
-
-
 # Rubric success and reward-model score of the responses PPO sampled (first/last 10
 # iterations); an evaluation that reads the rollout prompts' situations, never a training input.
 rule ppo_report:

@@ -96,6 +96,14 @@ TRAINING_RECORD = {
                          "continuous_states": {"ppo": {"raw_bytes": 9, "gzip_bytes": 8}}},
 }
 
+OVER_OPTIMISATION = {
+    "gold": "rubric", "proxy": "score", "distance": "log-ratio", "used_for_selection": False,
+    "runs": {run: [{"step": step, "fraction": step / 100, "rubric_success_rate": 0.5,
+                    "mean_learned_score": step / 100, "sampled_logratio": step / 50,
+                    "recognized_rate": 1.0, "cut": 0} for step in (0, 50, 100)]
+             for run in ("ppo", "grpo_verifier", "grpo_learned")},
+}
+
 
 def prompted(rows: list[dict]) -> list[dict]:
     """Judged rows with a prompt each (rows of one prompt are drawn together)."""
@@ -158,6 +166,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
             prompted([row(False, True, False), row(False, False)]), judged)}},
         "exercise": EXERCISE,
         "training_record": TRAINING_RECORD,
+        "over_optimisation": OVER_OPTIMISATION,
     }
     markdown = evaluate.markdown(results)
     assert "| policy | population | rows | rubric success |" in re.sub(r" {2,}", " ", markdown)
@@ -172,3 +181,4 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
     assert "| ppo-final.safetensors | 943240 |" in text and "at most 2e-06" in text
     assert "| f0 | +0.500 | -0.250 | yes |" in text and "| f19 | +0.500 | -0.250 | no |" in text
     assert "| verifier | 3 | 0.25 -> 0.75 | n/a -> n/a | n/a -> n/a | 1 -> n/a |" in text
+    assert "| grpo_learned | 50 (50%) | 1.000 | 50.0 % | 0.500 | 100.0 % | 0 |" in text

@@ -3,6 +3,7 @@
 import pytest
 from test_evaluate import (  # the tests folder is on sys.path
     EXERCISE,
+    OVER_OPTIMISATION,
     TRAINING_RECORD,
     prompted,
     row,
@@ -44,6 +45,7 @@ def _results() -> dict:
         "reward_model_test": {"pairs": 180, "correct": 180, "ties": 0, "accuracy": 1.0,
                               "used_for_selection": False},
         "sft_validation": {},
+        "over_optimisation": OVER_OPTIMISATION,
         "ppo_sampled_responses": {w: {"rubric_success_rate": 0.275, "recognized_rate": 1.0,
                                       "mean_reward_model_score": 0.01}
                                   for w in ("first_10", "last_10")},

@@ -24,10 +24,11 @@ from reprorl.stages import STAGES
 pytestmark = pytest.mark.e2e
 MODES = ("interrupt", "continuous", "resume", "resume_check")
 WARMSTART = {f"{branch}_{mode}" for branch in ("sft", "reward") for mode in MODES}
-WARMSTART |= {"sft_validation"}
-PPO = {f"ppo_{mode}" for mode in MODES} | {"ppo_report"}
+WARMSTART |= {"sft_validation"}  # the curves' start point
+PPO = {f"ppo_{mode}" for mode in MODES} | {"ppo_report", "curve_ppo"}
 GRPO = {f"grpo_{run}_{mode}" for run in ("verifier", "learned") for mode in MODES}
-GRPO |= {f"generate_grpo_{run}" for run in ("verifier", "learned")}
+GRPO |= {f"{stage}_grpo_{run}" for stage in ("generate", "curve") for run in ("verifier",
+                                                                              "learned")}
 # what any change to a policy re-runs downstream of it
 JUDGING = {"generate_sft", "generate_ppo", "reward_test", "evaluate", "exercise", "report"}
 
@@ -138,7 +139,7 @@ def test_results_fit_their_schema_and_invariants(workflow):
             180, 80, 20, 260, 200]
     table = (workflow / "outputs/results.md").read_text()
     assert "no human study" in table and "predicted simulated preference" in table
-    assert len(list((workflow / "outputs/report").glob("*.png"))) == 6
+    assert len(list((workflow / "outputs/report").glob("*.png"))) == len(FIGURES)
     assert "## GRPO training" in table
     record = results["training_record"]
     assert record["data_audit"]["pairs_by_split"] == {"train": 840, "validation": 180,
@@ -150,6 +151,16 @@ def test_results_fit_their_schema_and_invariants(workflow):
         workflow / "assets/checkpoints/ppo-final.safetensors").stat().st_size
     assert [v["epoch"] for v in record["validation_per_epoch"]["reward"]] == [1, 2]
     assert "## Training record" in table and "reprorl costs" in table
+    curves = results["over_optimisation"]["runs"]
+    start = read_json(workflow / "outputs/learning/sft/validation-greedy.json")
+    for branch, points in curves.items():  # PPO: 100 iterations, kept every 25
+        assert points[0]["rubric_success_rate"] == start["rubric_success_rate"]
+        assert points[0]["sampled_logratio"] == 0.0 and points[-1]["fraction"] == 1.0
+        kept = sorted(p.name for p in (workflow / f"assets/checkpoints/{branch}-snapshots")
+                      .iterdir())
+        assert [p["step"] for p in points[1:]] == [int(k.split("-")[1]) for k in kept]
+    assert [p["step"] for p in curves["ppo"]] == [0, 25, 50, 75, 100]
+    assert "## Over-optimisation" in table
 
 
 def test_costs_lists_every_stage_from_its_manifest(workflow):
@@ -240,6 +251,9 @@ def test_audit_target_passes(workflow):
         ("ppo.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
         ("report.py", {"report"}),
         ("evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
+        # the measurement only: the snapshots it reads come from snapshots.py
+        ("curves.py", {"sft_validation", "curve_ppo", "curve_grpo_verifier",
+                       "curve_grpo_learned", "evaluate", "report"}),
         # PPO and GRPO start from the warm start
         ("warmstart.py", WARMSTART | PPO | GRPO | JUDGING),
         ("base_model.py", {"base_model"} | WARMSTART | PPO | GRPO | JUDGING),
@@ -264,8 +278,8 @@ def test_code_edit_reruns_exactly_the_dependents(workflow, module, expected):
     "rule, expected",
     [
         # the exercise reads the final checkpoints (the resume's), not the continuous run's
-        ("ppo_continuous", {"ppo_continuous", "ppo_resume_check", "ppo_report", "evaluate",
-                            "report"}),
+        ("ppo_continuous", {"ppo_continuous", "ppo_resume_check", "ppo_report", "curve_ppo",
+                            "evaluate", "report"}),
         ("grpo_verifier_resume", {"grpo_verifier_resume", "grpo_verifier_resume_check",
                                   "generate_grpo_verifier", "evaluate", "exercise", "report"}),
         ("report", {"report"}),
@@ -289,7 +303,8 @@ def test_a_second_clean_run_gives_identical_manifests(workflow, tmp_path):
     again = copy_workflow(tmp_path / "again")
     run(again)
     second = {p.name: read_json(p)["hashed"] for p in (again / "outputs/manifests").glob("*")}
-    assert len(second) == len(STAGES) - 1, sorted(second)  # every stage but the audit
+    # every stage but the audit and the seeds summary (not in the default target)
+    assert len(second) == len(STAGES) - 2, sorted(second)
     for name, hashed in sorted(second.items()):
         first = read_json(workflow / "outputs/manifests" / name)["hashed"]
         differing = sorted(k for k in first.keys() | hashed.keys()

@@ -51,6 +51,12 @@ def parser() -> argparse.ArgumentParser:
     costs = commands.add_parser(
         "costs", help="every stage's wall and CPU seconds and peak memory, from the manifests")
     costs.add_argument("--manifests", default=str(layout.MANIFESTS))
+    seed = commands.add_parser(
+        "seed-run", help="the main results under another learning seed, in outputs/seeds/SEED "
+                         "(a nested Snakemake; the seeds target's step)")
+    seed.add_argument("seed", type=int)
+    seed.add_argument("--config-json", required=True, help="validated config as JSON")
+    seed.add_argument("--cores", type=int, default=1)
     table = commands.add_parser(
         "readme-results", help="rewrite the README's results block from a run's outputs")
     table.add_argument("--results", default=str(layout.RESULTS))
@@ -76,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
             from .evaluate import costs
 
             result = costs(args.manifests)
+        elif args.command == "seed-run":
+            from . import seeds
+
+            config = configuration.load_json(args.config_json)
+            return seeds.run(args.seed, config, args.cores)
         elif args.command == "readme-results":
             from . import readme
 

@@ -55,6 +55,10 @@ def validate(config: Mapping) -> dict:
                           f" ({HINT})")
     config = copy.deepcopy(dict(config))
     _refuse_non_finite(config)
+    # `snakemake --config seeds=[49,50]` parses the list with YAML's BaseLoader: as strings
+    if isinstance(config.get("seeds"), list):
+        config["seeds"] = [int(s) if isinstance(s, str) and s.isdigit() else s
+                           for s in config["seeds"]]
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(config))
     if error is not None:

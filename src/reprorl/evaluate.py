@@ -41,7 +41,7 @@ from .manifest import (
 )
 from .roles import learned_identity
 from .rubric import evaluate_response
-from .stages import EXPORTS, GRPO_RUNS, POLICIES, STAGES
+from .stages import CURVES, EXPORTS, GRPO_RUNS, POLICIES, STAGES
 
 SCORE_NAME = "predicted simulated preference"
 SCOPE = (f"{corpus.DATASET}, revision {corpus.REVISION} (this project's own wording of the "
@@ -50,7 +50,8 @@ SCOPE = (f"{corpus.DATASET}, revision {corpus.REVISION} (this project's own word
          "satisfaction. Prose outside the rubric's grammar is UNCERTIFIED (never a success, not "
          "necessarily wrong). The 80 probe rows hold 20 unique contexts, and the 260 rows per "
          "policy hold 200 unique contexts: rows are not independent situations.")
-UPSTREAM_STAGES = [name for name in STAGES if name not in ("evaluate", "report", "audit")]
+UPSTREAM_STAGES = [name for name in STAGES
+                   if name not in ("evaluate", "report", "audit", "seeds")]
 
 
 @torch.no_grad()
@@ -247,6 +248,26 @@ def costs(manifests: str | Path = layout.MANIFESTS) -> dict:
     return stages
 
 
+CURVE_KEYS = ("step", "fraction", "rubric_success_rate", "mean_learned_score", "sampled_logratio",
+              "recognized_rate", "cut")
+
+
+def over_optimisation() -> dict:
+    """Each run's curve (`curves.py`): the SFT point (step 0), then its snapshots."""
+    start = read_input(layout.SFT_VALIDATION)
+    start = {"step": 0, "fraction": 0.0, **start}
+    runs = {}
+    for branch in CURVES:
+        points = [start, *read_input(layout.curve(branch))["points"]]
+        runs[branch] = [{k: point[k] for k in CURVE_KEYS} for point in points]
+    return {"gold": "rubric success rate, greedy answers to the 180 validation prompts",
+            "proxy": f"mean {SCORE_NAME} of those answers (the frozen reward model)",
+            "distance": "sampled log-ratio to SFT: mean over the validation prompts of "
+                        "sum_t log pi - log pi_ref on one response sampled at temperature 1 "
+                        "(a KL estimate, nats per response)",
+            "used_for_selection": False, "runs": runs}
+
+
 def evaluate(config: dict, policies: list[str]) -> dict:
     """outputs/results.json and results.md; refuses unless every resume check is PASS."""
     checks = resume_checks()
@@ -261,6 +282,7 @@ def evaluate(config: dict, policies: list[str]) -> dict:
                               if k != "rows"},
         "sft_validation": {k: v for k, v in read_input(layout.SFT_VALIDATION).items()
                            if k != "rows"},
+        "over_optimisation": over_optimisation(),
         "ppo_sampled_responses": {k: v for k, v in read_input(layout.PPO_SAMPLED).items()
                                   if k != "iterations"},
         "grpo_training": {run: {k: v for k, v in reports[f"grpo_{run}"].items()
@@ -393,6 +415,7 @@ def markdown(results: dict) -> str:
               f"({test['correct']} correct, {test['ties']} ties); never used for selection.",
               "", "## Resume checks", ""]
     lines += [f"- {name}: {c['status']}" for name, c in results["resume_checks"].items()]
+    lines += curves_markdown(results["over_optimisation"])
     lines += ["", "## PPO sampled responses (temperature 1, during training)", ""]
     sampled = results["ppo_sampled_responses"]
     lines += markdown_table([
@@ -420,6 +443,19 @@ def markdown(results: dict) -> str:
     lines += exercise_markdown(results["exercise"])
     lines += record_markdown(results["training_record"])
     return "\n".join(lines) + "\n"
+
+
+def curves_markdown(curves: dict) -> list[str]:
+    lines = ["", "## Over-optimisation (180 validation prompts; never used for selection)", "",
+             (f"Gold: {curves['gold']}. Proxy: {curves['proxy']}. Distance: "
+              f"{curves['distance']}. Step 0 is the SFT actor every run starts from."), ""]
+    return lines + markdown_table([
+        {"run": run, "step": f"{p['step']} ({p['fraction']:.0%})",
+         "distance (nats)": f"{p['sampled_logratio']:.3f}",
+         "gold: rubric success": _percent(p["rubric_success_rate"]),
+         f"proxy: mean {SCORE_NAME}": f"{p['mean_learned_score']:.3f}",
+         "recognized": _percent(p["recognized_rate"]), "without EOS": str(p["cut"])}
+        for run, points in curves["runs"].items() for p in points])
 
 
 def record_markdown(record: dict) -> list[str]:

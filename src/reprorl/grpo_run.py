@@ -11,7 +11,9 @@ fixed schedule (`grpo.schedule_lag`, default 3) with the batch-invariant server 
 do not depend on timing, so each run is a resumable branch like SFT's (`resumable.py`):
 `interrupt` stops after `interrupt_step` optimizer steps and saves, `resume` rebuilds that
 checkpoint in a fresh process, finishes and exports the policy, `continuous` runs straight
-through, and `grpo_<run>_resume_check` compares the two final states bit for bit.
+through (checkpointing each quarter of its planned steps, whose adapters it keeps for the
+over-optimisation curve, `snapshots.py`), and `grpo_<run>_resume_check` compares the two final
+states bit for bit.
 
 A state is the engine's final checkpoint, decoded (adapter, AdamW state, torch RNG, counters,
 rollout cursor and weight version), its files as bytes (a resume starts from exactly what the
@@ -30,15 +32,21 @@ from pathlib import Path
 
 import torch
 
-from . import corpus, layout, roles
+from . import corpus, layout, roles, snapshots
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final, save_final, verified_final
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from .grpo.metrics import read_windows, reproducible
-from .manifest import (atomic_write_bytes, peak_rss_mb, read_json, refuse_to_overwrite,
-                       write_json)
+from .manifest import (
+    atomic_directory,
+    atomic_write_bytes,
+    peak_rss_mb,
+    read_json,
+    refuse_to_overwrite,
+    write_json,
+)
 from .resumable import interrupt_state
 from .rubric import evaluate_response
 from .state import save_state
@@ -103,14 +111,17 @@ def dataset(run: str) -> list[dict]:
     return rows
 
 
-def interrupt_step(args: AsyncGRPOConfig, rows: int) -> int:
-    """Where `interrupt` stops: half the run's steps (a fixed schedule's blocks), rounded down
-    to whole metrics windows so the resumed run's windows are the continuous run's; one window
-    at least."""
-    steps = args.max_steps if args.max_steps > 0 else math.ceil(
+def planned_steps(args: AsyncGRPOConfig, rows: int) -> int:
+    """The run's optimizer steps if no block comes back empty (a fixed schedule's blocks)."""
+    return args.max_steps if args.max_steps > 0 else math.ceil(
         math.ceil(args.num_train_epochs * rows) / args.groups_per_step)
+
+
+def interrupt_step(args: AsyncGRPOConfig, rows: int) -> int:
+    """Where `interrupt` stops: half the run's steps, rounded down to whole metrics windows so
+    the resumed run's windows are the continuous run's; one window at least."""
     window = args.steps_of("logging_steps")
-    return max(window, steps // 2 // window * window)
+    return max(window, planned_steps(args, rows) // 2 // window * window)
 
 
 def history(metrics: Path) -> list[dict]:
@@ -175,6 +186,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
     stop = interrupt_step(args, len(rows))
+    if mode == "continuous":  # a checkpoint at each curve point: its adapter is kept
+        args.save_steps = snapshots.every(planned_steps(args, len(rows)))
+        args.save_total_limit = None
     identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
                 "cut_penalty": cut_penalty,
                 "reward_sha256": reward_sha256, "code_sha256": code_hash(f"{branch}_continuous"),
@@ -210,6 +224,12 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
                        metrics.read_bytes() if metrics.is_file() else b"")
     if mode == "resume":
         save_final(actor, branch, identity, config)
+    if mode == "continuous":
+        with atomic_directory(layout.snapshots(branch)) as folder:
+            snapshots.write_plan(folder, planned_steps(args, len(rows)))
+            for checkpoint in output_dir.glob("checkpoint-*"):
+                step = int(checkpoint.name.removeprefix("checkpoint-"))
+                shutil.copytree(checkpoint / "adapter", folder / snapshots.snapshot_name(step))
     shutil.rmtree(output_dir, ignore_errors=True)  # its final checkpoint is in the state
     keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
             "sample/staleness_mean", "sample/dropped_stale_count", "completions/mean_length",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from string import Formatter
 
-from .stages import EXPORTS, MODES, POLICIES, resumable
+from .stages import CURVES, EXPORTS, MODES, POLICIES, resumable
 
 # folders
 CORPUS = Path("data/generated")
@@ -51,12 +51,13 @@ RESULTS_TABLE = OUTPUTS / "results.md"
 RESULTS_ROWS = OUTPUTS / "results-rows.csv"  # every judged row of every policy
 EXERCISE = OUTPUTS / "exercise/reward-shortcuts.json"
 REPORT_PAGE = REPORT / "report.html"
-FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "probes")
+SEEDS_SUMMARY = OUTPUTS / "seeds/summary.json"
+FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "curves", "probes")
 # what a generation job must not see: labels, learning outputs and judgements
 HIDDEN_FROM_GENERATION = (CORPUS / "labels", CORPUS_MANIFEST, LEARNING, GRPO_SCRATCH,
                           REWARD_TEST, RESULTS, EXERCISE.parent)
 # output names that are folders (the rules declare them with directory())
-DIRECTORIES = frozenset({"model", "rollouts", "peft"})
+DIRECTORIES = frozenset({"model", "rollouts", "peft", "snapshots"})
 
 
 # files per stage, training branch, run or policy: call with the wildcards' values
@@ -71,6 +72,9 @@ state = Pattern(CHECKPOINTS / "{branch}-{mode}.pt.gz")
 learning_report = Pattern(LEARNING / "{branch}/{mode}.json")
 resume_check = Pattern(LEARNING / "{branch}/resume-check.json")
 rollouts = Pattern(LEARNING / "rollouts/{mode}")  # PPO's samples, a file per iteration
+# a straight run's actor at fixed points (PEFT folders), and the curve measured from them
+snapshots = Pattern(CHECKPOINTS / "{branch}-snapshots")
+curve = Pattern(OUTPUTS / "curves/{branch}.json")
 # a trained role's final export: learned tensors, the JSON with their sha256 and identity,
 # and for an actor the same adapters in PEFT format (for `peft` and vLLM)
 final = Pattern(CHECKPOINTS / "{name}-final.safetensors")
@@ -92,6 +96,8 @@ def final_files(name: str) -> list[Path]:
 # the async GRPO engine's output_dir (checkpoint-*/, metrics.jsonl), a scratch folder: the
 # stage keeps its final checkpoint in the branch's state and removes it
 grpo_output_dir = Pattern(GRPO_SCRATCH / "{branch}-{mode}.tmp")
+# a seed's nested run of the main results (`seeds.py`): its own working directory
+seed_dir = Pattern(OUTPUTS / "seeds/{seed}")
 # judging
 generations = Pattern(INFERENCE / "{policy}.json")
 figure = Pattern(REPORT / "{name}.png")
@@ -123,6 +129,8 @@ def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
         files |= {"state": state(branch, mode), "report": learning_report(branch, mode)}
         if branch == "ppo":
             files["rollouts"] = rollouts(mode)
+        if branch in CURVES and mode == "continuous":
+            files["snapshots"] = snapshots(branch)
         if mode == "resume":
             files |= _exports(EXPORTS[branch])
     elif branch in EXPORTS and mode == "resume_check":
@@ -133,6 +141,8 @@ def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
         files["report"] = PPO_SAMPLED
     elif stage == "generation_inputs":
         files["pages"] = GENERATION_PAGES
+    elif branch == "curve":
+        files["curve"] = curve(mode)
     elif branch == "generate":
         files["generations"] = generations(mode)
     elif stage == "reward_test":
@@ -141,6 +151,8 @@ def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
         files |= {"results": RESULTS, "table": RESULTS_TABLE, "rows": RESULTS_ROWS}
     elif stage == "exercise":
         files["shortcuts"] = EXERCISE
+    elif stage == "seeds":
+        files["summary"] = SEEDS_SUMMARY
     elif stage == "report":
         files |= {"figures": [figure(name) for name in FIGURES], "page": REPORT_PAGE}
     else:

@@ -12,7 +12,9 @@ actor and 200 critic updates.
 
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no
 rollout is ever pending in a state; `resume` runs the last 60 in a fresh process; `continuous`
-runs 100. `ppo_resume_check` passes only on bitwise equality of the two final states.
+runs 100 and keeps the actor's adapters after iterations 25, 50, 75 and 100 for the
+over-optimisation curve (`snapshots.py`, `curves.py`). `ppo_resume_check` passes only on
+bitwise equality of the two final states.
 Departures from the seed: sampling uses preallocated KV slots and decodes the 4 responses
 together (the seed recomputes the prefix per token, one response at a time: same distribution,
 same tokens, 3.5x faster, `benchmarks/sampling.py`); the 4 responses of an iteration are
@@ -31,7 +33,7 @@ import time
 
 import torch
 
-from . import corpus, layout, objectives, roles
+from . import corpus, layout, objectives, roles, snapshots
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
@@ -270,8 +272,13 @@ def train(config: dict, mode: str, log=print) -> dict:
     timer = PhaseTimer()
     started = time.perf_counter()
     bar = progress(ITERATIONS, f"ppo {mode}", initial=state["iteration"])
-    # the iteration files appear under their final folder only once the run has finished
-    with atomic_directory(layout.rollouts(mode)) as rollout_dir:
+    # the iteration files (and a straight run's snapshots) appear under their final folders
+    # only once the run has finished
+    keep_at = snapshots.points(ITERATIONS) if mode == "continuous" else []
+    kept = atomic_directory(layout.snapshots("ppo")) if keep_at else contextlib.nullcontext()
+    with atomic_directory(layout.rollouts(mode)) as rollout_dir, kept as snapshot_dir:
+        if keep_at:
+            snapshots.write_plan(snapshot_dir, ITERATIONS)
         while state["iteration"] < stop:
             chosen, state["order"], state["cursor"] = next_prompts(
                 state["order"], state["cursor"], prompt_generator, PROMPTS_PER_ITERATION,
@@ -285,6 +292,9 @@ def train(config: dict, mode: str, log=print) -> dict:
             bar.update(1)
             write_json(rollout_dir / f"iteration-{number:03d}.json",
                        {"iteration": number, "rollouts": rollouts})
+            if number in keep_at:
+                snapshots.keep(roles_["actor"].backbone, snapshot_dir, number,
+                               config["model"]["path"])
             if number % 10 == 0 or number == stop:
                 seconds = time.perf_counter() - started
                 log(f"ppo {mode}: iteration {number}/{ITERATIONS}, mean RM score "

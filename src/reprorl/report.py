@@ -4,7 +4,8 @@ Figures: the base model's pretraining curve; SFT and reward-model training losse
 validation per epoch; PPO's sampled responses per iteration (reward-model score and rubric
 success); the two async GRPO runs per metrics window (reward of all scored rollouts, reward of
 the trained ones, the share of dropped zero-std groups); the policies side by side (rubric
-success against predicted simulated preference); the politeness deltas of the frozen reward
+success against predicted simulated preference); the over-optimisation curves (gold and proxy
+against the sampled log-ratio to SFT, `curves.py`); the politeness deltas of the frozen reward
 model on the 20 probe contexts.
 """
 
@@ -133,6 +134,29 @@ def plot_policies(plt, data: dict):
     return figure
 
 
+def plot_curves(plt, data: dict):
+    """Gold and proxy against the distance from SFT, one line per run (results.json)."""
+    curves = data["results"]["over_optimisation"]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharex=True)
+    for run, points in curves["runs"].items():
+        distance = [p["sampled_logratio"] for p in points]
+        for axis, key in zip(axes, ("rubric_success_rate", "mean_learned_score")):
+            axis.plot(distance, [p[key] for p in points], "o-", label=run)
+            for p in points[1:]:
+                axis.annotate(f"{p['fraction']:.0%}", (p["sampled_logratio"], p[key]),
+                              fontsize=6, xytext=(3, 3), textcoords="offset points")
+    axes[0].set(title="Gold: rubric success (greedy, 180 validation prompts)",
+                ylabel="rubric success rate", ylim=(-0.05, 1.05))
+    axes[1].set(title="Proxy: mean predicted simulated preference", ylabel="reward-model score")
+    for axis in axes:
+        axis.set_xlabel("sampled log-ratio to SFT (KL estimate, nats per response)")
+        axis.legend(fontsize=7)
+    figure.suptitle("Over-optimisation: each run from SFT (left point) to its end; labels: "
+                    "share of the run's budget", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
 def plot_probes(plt, data: dict):
     contexts = data["exercise"]["contexts_detail"]
     figure, axis = plt.subplots(figsize=(9, 3.4))
@@ -151,7 +175,8 @@ def plot_probes(plt, data: dict):
 
 
 PLOTS = {"pretraining": plot_pretraining, "warmstart": plot_warmstart, "ppo": plot_ppo,
-         "grpo": plot_grpo, "policies": plot_policies, "probes": plot_probes}
+         "grpo": plot_grpo, "policies": plot_policies, "curves": plot_curves,
+         "probes": plot_probes}
 
 
 def figures() -> list[Path]:

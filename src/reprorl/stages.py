@@ -26,6 +26,8 @@ EXPORTS = {"sft": ("sft",), "reward": ("reward",), "ppo": ("ppo", "critic"),
            **{f"grpo_{run}": (f"grpo_{run}",) for run in GRPO_RUNS}}
 # every policy judged on the held-out rows, each the name of its final actor export
 POLICIES = ("sft", "ppo", *(f"grpo_{run}" for run in GRPO_RUNS))
+# the branches whose straight run keeps its actor along the way (`curves`)
+CURVES = POLICIES[1:]
 
 STAGES: dict[str, Stage] = {
     "prepare": Stage("corpus", ("seed",)),
@@ -33,7 +35,7 @@ STAGES: dict[str, Stage] = {
     **{f"{branch}_{mode}": Stage("warmstart", ("model", "limits", branch))
        for branch in ("sft", "reward") for mode in MODES},
     **{f"{branch}_resume_check": Stage("resumable", ()) for branch in EXPORTS},
-    "sft_validation": Stage("warmstart", ("model", "limits")),
+    "sft_validation": Stage("curves", ("model", "limits")),
     **{f"ppo_{mode}": Stage("ppo", ("model", "limits", "ppo")) for mode in MODES},
     "ppo_report": Stage("ppo", ()),
     # one thread: the trainer, the rollout worker and the embedded server take turns more than
@@ -41,12 +43,14 @@ STAGES: dict[str, Stage] = {
     # or 98 s alone), so two GRPO jobs, or one beside PPO, share the two cores instead
     **{f"grpo_{run}_{mode}": Stage("grpo_run", ("model", "limits", "grpo"))
        for run in GRPO_RUNS for mode in MODES},
+    **{f"curve_{branch}": Stage("curves", ("model", "limits")) for branch in CURVES},
     "generation_inputs": Stage("generate", ()),
     **{f"generate_{policy}": Stage("generate", ("model", "limits")) for policy in POLICIES},
     "reward_test": Stage("evaluate", ("model", "limits")),
     "evaluate": Stage("evaluate", ()),
     "exercise": Stage("evaluate", ("model", "limits")),
     "report": Stage("report", ()),
+    "seeds": Stage("seeds", ("seeds",)),  # outputs/seeds/summary.json; not in the default target
     "audit": Stage("manifest", ()),  # run by `reprorl audit`, hashed like any stage
 }
 

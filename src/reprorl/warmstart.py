@@ -31,15 +31,13 @@ import torch
 
 from . import corpus, layout, roles
 from .codehash import code_hash
-from .encoding import Example, collate, collate_pairs, example, load_tokenizer, prompt_ids
+from .encoding import Example, collate, collate_pairs, example, load_tokenizer
 from .errors import ReproError
-from .exports import load_final, save_final
+from .exports import save_final
 from .manifest import hash_paths, peak_rss_mb, refuse_to_overwrite, write_json
 from .objectives import bradley_terry_loss, sft_loss
 from .progress import progress
 from .resumable import ResumableRun, optimizer_step
-from .rubric import evaluate_response
-from .sampling import response_text, sample_many
 from .schedule import linear_warmup_decay
 from .state import seed_everything
 
@@ -208,42 +206,7 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
 
 
-@torch.no_grad()
-def greedy_validation(config: dict, log=print) -> dict:
-    """Greedy answers of the final SFT actor to the 180 validation prompts, judged by the
-    rubric. A measurement only: nothing is selected with it."""
-    actor, meta = load_final("sft", "actor", config)
-    tokenizer = load_tokenizer(config["model"]["path"])
-    limits = config["limits"]
-    rows, pages = [], corpus.read(VALIDATION, "learning")
-    prompts = [prompt_ids(tokenizer, row["prompt"], limits, row["document_id"]) for row in pages]
-    results = sample_many(actor.backbone, prompts, limits["response_tokens"],
-                          tokenizer.eos_token_id, limits["context_tokens"])
-    for row, result in zip(pages, results):
-        text = response_text(tokenizer, result)
-        verdict = evaluate_response(text, result.finish_reason, row["expected_action"])
-        rows.append({"document_id": row["document_id"], "text": text,
-                     "finish_reason": result.finish_reason, "rubric": verdict})
-    count = len(rows)
-    summary = {
-        "prompts": count,
-        "rubric_success_rate": sum(r["rubric"]["rubric_success"] for r in rows) / count,
-        "relevant_rate_over_all_prompts": sum(r["rubric"]["relevant"] for r in rows) / count,
-        "recognized_rate": sum(r["rubric"]["recognized"] for r in rows) / count,
-        "cut": sum(r["finish_reason"] != "eos" for r in rows),
-        "actor_sha256": meta["sha256"],
-        "used_for_selection": False,
-    }
-    write_json(layout.SFT_VALIDATION, {**summary, "rows": rows})
-    log(f"SFT greedy validation: {summary}")
-    return summary
-
-
 def stage(name: str, config: dict, run, log=print) -> dict:
-    if name == "sft_validation":
-        summary = greedy_validation(config, log)
-        run.finish(summary=summary)
-        return summary
     branch, _, mode = name.partition("_")
     refuse_to_overwrite(layout.state(branch, mode))
     summary = train(config, branch, mode, log)

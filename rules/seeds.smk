@@ -1,0 +1,48 @@
+# The seeds target (reprorl.seeds), not part of the default one:
+#   snakemake --cores all outputs/seeds/summary.json --config seeds=[49,50,51]
+# Each seed's results come from a nested Snakemake run of this workflow in outputs/seeds/<seed>/
+# (the corpus and base model copied from this run, every learning stage's seeds moved); the
+# summary gives each policy's mean and spread over the seeds.
+
+
+wildcard_constraints:
+    seed=r"\d+",
+
+
+rule seed_run:
+    input:
+        corpus=rules.prepare.output.manifest,
+        model=rules.base_model.output.manifest,
+    output:
+        results=str(layout.seed_dir("{seed}") / layout.RESULTS),
+    log:
+        layout.log("seed_run-{seed}"),
+    benchmark:
+        layout.benchmark("seed_run-{seed}")
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    # the nested run schedules its own jobs on these cores
+    threads: workflow.cores
+    params:
+        config=json.dumps({k: v for k, v in config.items() if k != "seeds"}, sort_keys=True),
+    shell:
+        "python -m reprorl seed-run {wildcards.seed} --config-json {params.config:q}"
+        " --cores {threads} > {log} 2>&1"
+
+
+rule seeds:
+    input:
+        results=expand(rules.seed_run.output.results, seed=config["seeds"]),
+    output:
+        **stage_output("seeds"),
+    log:
+        layout.log("seeds"),
+    benchmark:
+        layout.benchmark("seeds")
+    conda:
+        "../workflow/envs/reprorl.yaml"
+    threads: stage_threads("seeds")
+    params:
+        **stage_params("seeds"),
+    shell:
+        STAGE_COMMAND

@@ -1,0 +1,154 @@
+"""Over-optimisation curves: the gold and the proxy score against the distance from the start.
+
+After Gao, Schulman and Hilton (2022), "Scaling laws for reward model over-optimization". The
+straight (`continuous`) run of PPO and of each GRPO run keeps its actor's adapters, in PEFT
+format, at points fixed before it starts: every quarter of its iterations or optimizer steps
+(`snapshots.py`). `curve_<branch>` then has each snapshot answer the 180 validation prompts
+- greedily: the rubric's success rate is the gold, the frozen reward model's mean score
+  ("predicted simulated preference") the proxy;
+- once more sampled at temperature 1 (generator i seeded with SAMPLE_SEED + i, the same for
+  every snapshot): the mean over prompts of sum_t log pi(y_t) - log pi_ref(y_t), with pi_ref the
+  SFT actor every run starts from, is the sampled log-ratio to the reference, an estimate of
+  KL(pi || pi_ref) in nats per response: the distance.
+`sft_validation` measures the start, the SFT actor (distance 0: it is the reference). The
+validation prompts are never used to select, stop or tune anything.
+Departures from the paper: the distance is the KL estimate itself, not its square root, from
+one sampled response per prompt (so a small distance can read slightly negative); log pi is
+the sampler's own log-prob of the token it drew, log pi_ref a teacher-forced pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import corpus, layout, lora, snapshots
+from .encoding import Example, collate, load_tokenizer, prompt_ids
+from .errors import ReproError
+from .exports import load_final
+from .manifest import read_json, record_read, write_json
+from .rubric import evaluate_response
+
+VALIDATION = "labels/validation-pairs.json"
+SAMPLE_SEED = 7001
+BATCH = 16  # rows per scoring batch, fixed so that every score is reproducible bit for bit
+
+
+def _batches(items: list, size: int = BATCH):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+@torch.no_grad()
+def _reward_scores(reward, prompts: list[list[int]], responses: list[list[int]], pad: int):
+    scores = []
+    for chunk in _batches(list(zip(prompts, responses))):
+        batch = collate([Example(str(i), tuple(p), tuple(r)) for i, (p, r) in enumerate(chunk)],
+                        pad)
+        scores.extend(float(s) for s in reward.score(batch))
+    return scores
+
+
+@torch.no_grad()
+def _reference_logprobs(reference, prompts, responses, pad: int) -> list[float]:
+    """Summed log-prob of each response under the reference, teacher-forced."""
+    sums = []
+    for chunk in _batches(list(zip(prompts, responses))):
+        batch = collate([Example(str(i), tuple(p), tuple(r)) for i, (p, r) in enumerate(chunk)],
+                        pad)
+        logprobs, mask = reference.token_logprobs(batch)
+        sums.extend(float(logprobs[row][mask[row]].sum()) for row in range(len(chunk)))
+    return sums
+
+
+def validation_prompts(tokenizer, limits: dict) -> tuple[list[dict], list[list[int]]]:
+    pages = corpus.read(VALIDATION, "learning")  # its held-out check applies
+    return pages, [prompt_ids(tokenizer, r["prompt"], limits, r["document_id"]) for r in pages]
+
+
+@torch.no_grad()
+def measure(actor, reward, tokenizer, limits: dict, reference=None) -> dict:
+    """One point: the actor's greedy answers judged by the rubric and the reward model, and
+    with `reference` the sampled log-ratio to it (else the actor is the reference: 0)."""
+    from .sampling import response_text, sample_many  # transformers: seconds to import
+
+    pages, prompts = validation_prompts(tokenizer, limits)
+    eos, pad, room = tokenizer.eos_token_id, tokenizer.pad_token_id, limits["response_tokens"]
+    greedy = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"])
+    scores = _reward_scores(reward, prompts, [g.response_ids for g in greedy], pad)
+    logratios = [0.0] * len(prompts)
+    if reference is not None:
+        generators = [torch.Generator().manual_seed(SAMPLE_SEED + i) for i in range(len(pages))]
+        sampled = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"],
+                              generators=generators)
+        logprobs = _reference_logprobs(reference, prompts, [s.response_ids for s in sampled],
+                                       pad)
+        logratios = [sum(s.logprobs) - ref for s, ref in zip(sampled, logprobs)]
+    rows = []
+    for page, result, score, logratio in zip(pages, greedy, scores, logratios):
+        text = response_text(tokenizer, result)
+        verdict = evaluate_response(text, result.finish_reason, page["expected_action"])
+        rows.append({"document_id": page["document_id"], "text": text,
+                     "finish_reason": result.finish_reason, "rubric": verdict,
+                     "learned_score": score, "sampled_logratio": logratio})
+    count = len(rows)
+    return {
+        "prompts": count,
+        "rubric_success_rate": sum(r["rubric"]["rubric_success"] for r in rows) / count,
+        "relevant_rate_over_all_prompts": sum(r["rubric"]["relevant"] for r in rows) / count,
+        "recognized_rate": sum(r["rubric"]["recognized"] for r in rows) / count,
+        "cut": sum(r["finish_reason"] != "eos" for r in rows),
+        "mean_learned_score": sum(scores) / count,
+        "sampled_logratio": sum(logratios) / count,
+        "rows": rows,
+    }
+
+
+def start(config: dict, log=print) -> dict:
+    """sft_validation: the SFT actor's point (every curve's start)."""
+    actor, meta = load_final("sft", "actor", config)
+    reward, reward_meta = load_final("reward", "reward", config)
+    tokenizer = load_tokenizer(config["model"]["path"])
+    point = measure(actor, reward, tokenizer, config["limits"])
+    point |= {"actor_sha256": meta["sha256"], "reward_sha256": reward_meta["sha256"],
+              "used_for_selection": False}
+    write_json(layout.SFT_VALIDATION, point)
+    summary = {k: v for k, v in point.items() if k != "rows"}
+    log(f"SFT greedy validation: {summary}")
+    return summary
+
+
+def curve(config: dict, branch: str, log=print) -> dict:
+    """curve_<branch>: every snapshot of the branch's straight run, in step order."""
+    folder = layout.snapshots(branch)
+    record_read(folder)
+    kept = sorted(folder.glob("step-*"))
+    if not kept:
+        raise ReproError(f"{folder} holds no snapshot: rerun {branch}_continuous")
+    reference, reference_meta = load_final("sft", "reference", config)
+    reward, reward_meta = load_final("reward", "reward", config)
+    tokenizer = load_tokenizer(config["model"]["path"])
+    actor, _ = load_final("sft", "actor", config)  # each snapshot replaces all its adapters
+    measured = []
+    for path in kept:
+        lora.load_peft_into(actor.backbone, path)
+        point = measure(actor, reward, tokenizer, config["limits"], reference)
+        point["step"] = int(path.name.removeprefix("step-"))
+        measured.append(point)
+        log(f"{branch} step {point['step']}: gold {point['rubric_success_rate']:.3f}, proxy "
+            f"{point['mean_learned_score']:.3f}, distance {point['sampled_logratio']:.3f}")
+    planned = read_json(folder / snapshots.PLAN)["planned"]  # recorded with the folder
+    for point in measured:
+        point["fraction"] = point["step"] / planned
+    content = {"branch": branch, "points": measured, "used_for_selection": False,
+               "reference_sha256": reference_meta["sha256"],
+               "reward_sha256": reward_meta["sha256"]}
+    write_json(layout.curve(branch), content)
+    return {"branch": branch, "points": [{k: v for k, v in p.items() if k != "rows"}
+                                         for p in measured]}
+
+
+def stage(name: str, config: dict, run, log=print) -> dict:
+    summary = (start(config, log) if name == "sft_validation"
+               else curve(config, name.removeprefix("curve_"), log))
+    run.finish(summary=summary)
+    return summary
