@@ -1,7 +1,11 @@
 """The over-optimisation curves' fixed points and the seeds target's config."""
 
+import pytest
+
 from reprorl import config as configuration
-from reprorl import seeds, snapshots
+from reprorl import layout, seeds, snapshots
+from reprorl.manifest import read_json, write_json
+from reprorl.stages import POLICIES
 
 
 def test_snapshot_points_are_the_quarters_and_the_end():
@@ -26,3 +30,26 @@ def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():
 def test_seeds_from_the_snakemake_command_line_are_integers():
     # `--config seeds=[49,50,51]` reaches the config as YAML BaseLoader strings
     assert configuration.validate({"seeds": ["49", "50", "51"]})["seeds"] == [49, 50, 51]
+
+
+def test_the_seeds_summary_gives_each_policy_its_spread(in_tmp):
+    config = configuration.validate({"seeds": [49, 50, 51]})
+    for seed, rate in zip(config["seeds"], (0.5, 0.6, 0.7)):
+        folder = layout.seed_dir(str(seed))
+        metrics = {"rubric_success_rate": rate, "mean_learned_score": -rate}
+        write_json(folder / layout.RESULTS, {
+            "policies": {p: {"metrics": {"test_rows": metrics}} for p in POLICIES},
+            "exercise": {"polite_wrong_outranks_plain_correct": 14}})
+        for stage, start, wall in (("prepare", "2026-12-01T09:00:00+0000", 1.0),  # copied
+                                   ("sft_interrupt", "2026-12-02T10:00:00+0000", 30.0),
+                                   ("evaluate", "2026-12-02T10:05:00+0000", 2.5)):
+            write_json(folder / layout.manifest(stage), {"run": {"started_at": start,
+                                                                  "wall_seconds": wall}})
+    result = seeds.summary(config, log=lambda _: None)
+    spread = result["policies"]["ppo"]["rubric_success_rate"]
+    assert spread["values"] == [0.5, 0.6, 0.7] and spread["min"] == 0.5
+    assert spread["mean"] == pytest.approx(0.6) and spread["sd"] == pytest.approx(0.1)
+    written = read_json(layout.SEEDS_SUMMARY)
+    assert written["seconds_per_seed"] == {"49": 302.5, "50": 302.5, "51": 302.5}
+    assert written["learning_seeds"]["51"]["ppo"] == {"seed": 51, "prompt_seed": 151,
+                                                     "generation_seed": 251}

@@ -312,6 +312,21 @@ def test_a_second_clean_run_gives_identical_manifests(workflow, tmp_path):
         assert not differing, f"{name}: {differing} differ between two clean runs"
 
 
+def test_a_seed_run_reuses_the_corpus_and_base_and_rebuilds_the_rest(workflow):
+    """`reprorl seed-run` (the seeds target's step) on the CI profile, as a dry run of its
+    nested Snakemake: the corpus and base model copied in count as built, every learning
+    stage and everything after it is to run (a full run of three seeds is in the README)."""
+    ci = json.dumps(configuration.load(str(workflow / "configs/ci.yaml")))
+    result = reprorl(workflow, "seed-run", "50", "--config-json", ci, "--cores", "2",
+                     "--dry-run", check=True)
+    planned = set(re.findall(r"^(?:local)?rule (\w+):", result.stdout, flags=re.M))
+    assert planned == set(STAGES) - {"prepare", "base_model", "audit", "seeds", "report"}
+    work = workflow / "outputs/seeds/50"
+    assert sha256_file(work / "data/generated/manifest.json") == sha256_file(
+        workflow / "data/generated/manifest.json")
+    assert read_json(work / "seed-config.json")["ppo"]["generation_seed"] == 250
+
+
 def test_tampered_corpus_is_named_and_kept(workflow):
     target = workflow / "data/generated/labels/gold.json"
     original = target.read_bytes()

@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
     seed.add_argument("seed", type=int)
     seed.add_argument("--config-json", required=True, help="validated config as JSON")
     seed.add_argument("--cores", type=int, default=1)
+    seed.add_argument("--dry-run", action="store_true", help="list the jobs it would run")
     table = commands.add_parser(
         "readme-results", help="rewrite the README's results block from a run's outputs")
     table.add_argument("--results", default=str(layout.RESULTS))
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             from . import seeds
 
             config = configuration.load_json(args.config_json)
-            return seeds.run(args.seed, config, args.cores)
+            return seeds.run(args.seed, config, args.cores, args.dry_run)
         elif args.command == "readme-results":
             from . import readme
 

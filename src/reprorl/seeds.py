@@ -51,8 +51,9 @@ def seed_config(config: dict, seed: int) -> dict:
     return moved
 
 
-def run(seed: int, config: dict, cores: int) -> int:
-    """The main run's results under `seed`, built by a nested Snakemake in its own folder."""
+def run(seed: int, config: dict, cores: int, dry_run: bool = False) -> int:
+    """The main run's results under `seed`, built by a nested Snakemake in its own folder
+    (`dry_run`: only list the jobs it would run)."""
     root, work = Path.cwd(), layout.seed_dir(seed)
     work.mkdir(parents=True, exist_ok=True)
     model = Path(config["model"]["path"])
@@ -68,9 +69,10 @@ def run(seed: int, config: dict, cores: int) -> int:
         (work / "configs").symlink_to(root / "configs")
     settings = work / "seed-config.json"
     atomic_write_text(settings, json.dumps(seed_config(config, seed), indent=1))
-    command = [sys.executable, "-m", "snakemake", "--snakefile", str(root / "Snakefile"),
-               "--directory", str(work), "--cores", str(cores), "--configfile",
-               str(settings.resolve()), str(layout.RESULTS)]
+    # the target first: --configfile takes every value after it
+    command = [sys.executable, "-m", "snakemake", str(layout.RESULTS), "--snakefile",
+               str(root / "Snakefile"), "--directory", str(work), "--cores", str(cores),
+               *(["-n"] if dry_run else []), "--configfile", str(settings.resolve())]
     print(" ".join(command), flush=True)
     return subprocess.run(command, check=False).returncode
 
