@@ -106,8 +106,9 @@ PRIORITY = {
     "reward_test": 4,
     # evaluate's one input without a long path to it: ready early, it must not be left last
     "sft_validation": 4,
-    # the curves of PPO and GRPO: ready when their straight run ends, as generation is
-    **{f"curve_{branch}": 5 for branch in CURVES},
+    # the curves of PPO and GRPO (four points, each curve about four generation jobs, measured on
+    # d563025): ready when their straight run ends, they must not wait behind the short jobs
+    **{f"curve_{branch}": 10 for branch in CURVES},
 }
 
 

@@ -21,10 +21,14 @@ rule seed_run:
         layout.benchmark("seed_run-{seed}")
     conda:
         "../workflow/envs/reprorl.yaml"
-    # the nested run schedules its own jobs on these cores
-    threads: workflow.cores
+    # the nested run schedules its own jobs on these: locally Snakemake lowers a rule's threads
+    # to --cores, so it gets them all (workflow.cores would fail where no --cores is given, as
+    # under the SLURM profile, which sets seed_run's threads itself)
+    threads: 1024
     params:
-        config=json.dumps({k: v for k, v in config.items() if k != "seeds"}, sort_keys=True),
+        config=json.dumps(
+            {k: v for k, v in config.items() if k != "seeds"}, sort_keys=True
+        ),
     shell:
         "python -m reprorl seed-run {wildcards.seed} --config-json {params.config:q}"
         " --cores {threads} > {log} 2>&1"

@@ -93,6 +93,8 @@ def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
             "one's end, finished 2026-12-01; 2 cores; Some CPU, torch AVX2") in flat
     assert "100.0 % accurate on the 180 test pairs" in flat
     assert "verifier from 0.50 to 2.00, learned from 0.50 to 2.00" in flat
+    assert ("PPO from 50.0 % to 50.0 % rubric success, learned score 0.00 to 1.00, at a "
+            "sampled log-ratio of 2.00 nats; async GRPO, rubric verifier from") in flat
     assert _run(in_tmp, _results(), text) == 0  # a second run regenerates the same block
     assert (in_tmp / "README.md").read_text() == text
 

@@ -110,6 +110,22 @@ def _ordered(mapping: dict, order) -> list:
                                       *sorted(set(mapping) - set(order))]]
 
 
+def _curves(curves: dict | None) -> str:
+    """Each run's over-optimisation curve, start to end (an older results.json has none)."""
+    if not curves:
+        return ""
+    parts = []
+    for run, points in _ordered(curves["runs"], POLICIES):
+        first, last = points[0], points[-1]
+        parts.append(f"{LABELS.get(run, run).split(' (')[0]} from "
+                     f"{_percent(first['rubric_success_rate'])} to "
+                     f"{_percent(last['rubric_success_rate'])} rubric success, learned score "
+                     f"{first['mean_learned_score']:.2f} to {last['mean_learned_score']:.2f}, "
+                     f"at a sampled log-ratio of {last['sampled_logratio']:.2f} nats")
+    return ("Over-optimisation curves (greedy answers to the 180 validation prompts, from SFT "
+            f"to each run's end; every quarter in `outputs/results.md`): {'; '.join(parts)}. ")
+
+
 def block(results: dict, facts: dict, commit: str) -> str:
     """The generated block, markers included."""
     where = [f"commit {commit}"]
@@ -147,6 +163,7 @@ def block(results: dict, facts: dict, commit: str) -> str:
         f"{_percent(first['rubric_success_rate'])} to {_percent(last['rubric_success_rate'])}. "
         + (f"GRPO's sampled reward, first vs last tenth of the training windows: {grpo}. "
            if grpo else "")
+        + _curves(results.get("over_optimisation"))
         + f"Politeness exercise: polite wrong advice outranks plain correct advice in "
           f"{ex['polite_wrong_outranks_plain_correct']} of the {ex['contexts']} probe contexts. "
           f"Resume checks: {checks}. Intervals: bootstrap over prompts, paired for the "
