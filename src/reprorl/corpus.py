@@ -41,6 +41,7 @@ DATASET, REVISION = "OfficeHelpPrefs-v1", "reprorl-r1"
 FAMILIES, FAMILIES_PER_ACTION, PAIRS_PER_FAMILY = 240, 40, 5
 SPLIT_SIZES = {"train": 28, "validation": 6, "test": 6}  # families per situation
 PROBE_CONTEXTS = 20
+VALIDATION_PAIRS = "labels/validation-pairs.json"  # what SFT, the reward model and curves measure
 CORPUS_FILES = (
     "input/pages.json",
     "labels/gold.json",

@@ -28,60 +28,44 @@ from .exports import load_final
 from .manifest import read_json, record_read, write_json
 from .rubric import evaluate_response
 
-VALIDATION = "labels/validation-pairs.json"
 SAMPLE_SEED = 7001
 BATCH = 16  # rows per scoring batch, fixed so that every score is reproducible bit for bit
 
 
-def _batches(items: list, size: int = BATCH):
-    for start in range(0, len(items), size):
-        yield items[start:start + size]
-
-
-@torch.no_grad()
-def _reward_scores(reward, prompts: list[list[int]], responses: list[list[int]], pad: int):
-    scores = []
-    for chunk in _batches(list(zip(prompts, responses))):
-        batch = collate([Example(str(i), tuple(p), tuple(r)) for i, (p, r) in enumerate(chunk)],
-                        pad)
-        scores.extend(float(s) for s in reward.score(batch))
-    return scores
-
-
-@torch.no_grad()
-def _reference_logprobs(reference, prompts, responses, pad: int) -> list[float]:
-    """Summed log-prob of each response under the reference, teacher-forced."""
-    sums = []
-    for chunk in _batches(list(zip(prompts, responses))):
-        batch = collate([Example(str(i), tuple(p), tuple(r)) for i, (p, r) in enumerate(chunk)],
-                        pad)
-        logprobs, mask = reference.token_logprobs(batch)
-        sums.extend(float(logprobs[row][mask[row]].sum()) for row in range(len(chunk)))
-    return sums
+def _batched(prompts: list[list[int]], results, pad: int):
+    """(prompt, response) rows in left-padded batches of BATCH, in order."""
+    pairs = list(zip(prompts, (r.response_ids for r in results)))
+    for start in range(0, len(pairs), BATCH):
+        chunk = pairs[start:start + BATCH]
+        yield collate([Example(str(i), tuple(p), tuple(r)) for i, (p, r) in enumerate(chunk)],
+                      pad)
 
 
 def validation_prompts(tokenizer, limits: dict) -> tuple[list[dict], list[list[int]]]:
-    pages = corpus.read(VALIDATION, "learning")  # its held-out check applies
+    pages = corpus.read(corpus.VALIDATION_PAIRS, "learning")  # its held-out check applies
     return pages, [prompt_ids(tokenizer, r["prompt"], limits, r["document_id"]) for r in pages]
 
 
 @torch.no_grad()
-def measure(actor, reward, tokenizer, limits: dict, reference=None) -> dict:
-    """One point: the actor's greedy answers judged by the rubric and the reward model, and
-    with `reference` the sampled log-ratio to it (else the actor is the reference: 0)."""
+def measure(actor, reward, tokenizer, limits: dict, validation, reference=None) -> dict:
+    """One point on the `validation` (pages, prompt ids): the actor's greedy answers judged by
+    the rubric and the reward model, and with `reference` the sampled log-ratio to it (else
+    the actor is the reference: 0)."""
     from .sampling import response_text, sample_many  # transformers: seconds to import
 
-    pages, prompts = validation_prompts(tokenizer, limits)
+    pages, prompts = validation
     eos, pad, room = tokenizer.eos_token_id, tokenizer.pad_token_id, limits["response_tokens"]
     greedy = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"])
-    scores = _reward_scores(reward, prompts, [g.response_ids for g in greedy], pad)
+    scores = [float(s) for batch in _batched(prompts, greedy, pad) for s in reward.score(batch)]
     logratios = [0.0] * len(prompts)
     if reference is not None:
         generators = [torch.Generator().manual_seed(SAMPLE_SEED + i) for i in range(len(pages))]
         sampled = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"],
                               generators=generators)
-        logprobs = _reference_logprobs(reference, prompts, [s.response_ids for s in sampled],
-                                       pad)
+        logprobs = []  # each sampled response's summed log-prob under the reference
+        for batch in _batched(prompts, sampled, pad):
+            rows, mask = reference.token_logprobs(batch)
+            logprobs.extend(float(rows[i][mask[i]].sum()) for i in range(len(rows)))
         logratios = [sum(s.logprobs) - ref for s, ref in zip(sampled, logprobs)]
     rows = []
     for page, result, score, logratio in zip(pages, greedy, scores, logratios):
@@ -108,7 +92,8 @@ def start(config: dict, log=print) -> dict:
     actor, meta = load_final("sft", "actor", config)
     reward, reward_meta = load_final("reward", "reward", config)
     tokenizer = load_tokenizer(config["model"]["path"])
-    point = measure(actor, reward, tokenizer, config["limits"])
+    validation = validation_prompts(tokenizer, config["limits"])
+    point = measure(actor, reward, tokenizer, config["limits"], validation)
     point |= {"actor_sha256": meta["sha256"], "reward_sha256": reward_meta["sha256"],
               "used_for_selection": False}
     write_json(layout.SFT_VALIDATION, point)
@@ -128,10 +113,11 @@ def curve(config: dict, branch: str, log=print) -> dict:
     reward, reward_meta = load_final("reward", "reward", config)
     tokenizer = load_tokenizer(config["model"]["path"])
     actor, _ = load_final("sft", "actor", config)  # each snapshot replaces all its adapters
+    validation = validation_prompts(tokenizer, config["limits"])  # read once, for every point
     measured = []
     for path in kept:
         lora.load_peft_into(actor.backbone, path)
-        point = measure(actor, reward, tokenizer, config["limits"], reference)
+        point = measure(actor, reward, tokenizer, config["limits"], validation, reference)
         point["step"] = int(path.name.removeprefix("step-"))
         measured.append(point)
         log(f"{branch} step {point['step']}: gold {point['rubric_success_rate']:.3f}, proxy "

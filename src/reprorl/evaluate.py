@@ -252,10 +252,9 @@ CURVE_KEYS = ("step", "fraction", "rubric_success_rate", "mean_learned_score", "
               "recognized_rate", "cut")
 
 
-def over_optimisation() -> dict:
+def over_optimisation(sft_validation: dict) -> dict:
     """Each run's curve (`curves.py`): the SFT point (step 0), then its snapshots."""
-    start = read_input(layout.SFT_VALIDATION)
-    start = {"step": 0, "fraction": 0.0, **start}
+    start = {"step": 0, "fraction": 0.0, **sft_validation}
     runs = {}
     for branch in CURVES:
         points = [start, *read_input(layout.curve(branch))["points"]]
@@ -274,15 +273,15 @@ def evaluate(config: dict, policies: list[str]) -> dict:
     gold = {g["document_id"]: g for g in corpus.read("labels/gold.json", "evaluation")}
     reports = {branch: read_input(layout.learning_report(branch, "continuous"))
                for branch in EXPORTS}
+    sft_validation = read_input(layout.SFT_VALIDATION)
     results = {
         "scope": SCOPE,
         "learned_score_name": SCORE_NAME,
         "resume_checks": checks,
         "reward_model_test": {k: v for k, v in read_input(layout.REWARD_TEST).items()
                               if k != "rows"},
-        "sft_validation": {k: v for k, v in read_input(layout.SFT_VALIDATION).items()
-                           if k != "rows"},
-        "over_optimisation": over_optimisation(),
+        "sft_validation": {k: v for k, v in sft_validation.items() if k != "rows"},
+        "over_optimisation": over_optimisation(sft_validation),
         "ppo_sampled_responses": {k: v for k, v in read_input(layout.PPO_SAMPLED).items()
                                   if k != "iterations"},
         "grpo_training": {run: {k: v for k, v in reports[f"grpo_{run}"].items()

@@ -185,9 +185,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
         dtype=config["model"]["dtype"],
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
-    stop = interrupt_step(args, len(rows))
+    stop, planned = interrupt_step(args, len(rows)), planned_steps(args, len(rows))
     if mode == "continuous":  # a checkpoint at each curve point: its adapter is kept
-        args.save_steps = snapshots.every(planned_steps(args, len(rows)))
+        args.save_steps = snapshots.every(planned)
         args.save_total_limit = None
     identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
                 "cut_penalty": cut_penalty,
@@ -226,7 +226,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
         save_final(actor, branch, identity, config)
     if mode == "continuous":
         with atomic_directory(layout.snapshots(branch)) as folder:
-            snapshots.write_plan(folder, planned_steps(args, len(rows)))
+            snapshots.write_plan(folder, planned)
             for checkpoint in output_dir.glob("checkpoint-*"):
                 step = int(checkpoint.name.removeprefix("checkpoint-"))
                 shutil.copytree(checkpoint / "adapter", folder / snapshots.snapshot_name(step))

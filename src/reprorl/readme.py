@@ -61,15 +61,16 @@ def load_results(path: Path) -> dict:
     return results
 
 
-def run_facts(manifests: Path) -> dict:
-    """When the run's stages started and ended, and the CPU they ran on (where recorded)."""
+def run_facts(manifests: Path, skip: tuple[str, ...] = ()) -> dict:
+    """When the run's stages started and ended, and the CPU they ran on (where recorded);
+    the stages in `skip` left out."""
     spans, cpus, cores = [], set(), set()
-    for path in sorted(manifests.glob("*.json")):
+    for path in sorted(p for p in manifests.glob("*.json") if p.stem not in skip):
         content = read_json(path)
         run = content["run"]
         start = datetime.datetime.strptime(run["started_at"], "%Y-%m-%dT%H:%M:%S%z")
         spans.append((start, start + datetime.timedelta(seconds=run["wall_seconds"])))
-        cpu = content["hashed"].get("cpu")
+        cpu = content.get("hashed", {}).get("cpu")
         if cpu:  # manifests older than the CPU record have none
             cpus.add(f"{cpu['model_name']}, torch {cpu['torch_capability']}")
         if "cpus" in run:

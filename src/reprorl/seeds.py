@@ -13,16 +13,17 @@ mean and spread over the seeds of the held-out rates. Not part of the default ta
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import statistics
 import subprocess
 import sys
-from datetime import datetime
 from pathlib import Path
 
 from . import layout
-from .manifest import atomic_write_text, read_input, read_json, write_json
+from .manifest import atomic_write_text, read_input, write_json
+from .readme import run_facts
 from .stages import POLICIES
 
 # offsets from the seed of each learning stage's seeds (the defaults at seed 49)
@@ -33,8 +34,9 @@ LEARNING_SEEDS = {
     "grpo": {"seed": 0},
 }
 # what a seed's run copies from the main run: the corpus and the base, with their manifests
-SHARED = (layout.CORPUS, layout.CORPUS_MANIFEST, layout.DATA_AUDIT, layout.manifest("prepare"),
-          layout.BASE_MODEL_SUMMARY, layout.manifest("base_model"))
+COPIED_STAGES = ("prepare", "base_model")
+SHARED = (layout.CORPUS, layout.CORPUS_MANIFEST, layout.DATA_AUDIT, layout.BASE_MODEL_SUMMARY,
+          *(layout.manifest(stage) for stage in COPIED_STAGES))
 MEASURES = ("rubric_success_rate", "mean_learned_score")
 
 
@@ -45,7 +47,7 @@ def learning_seeds(seed: int) -> dict:
 
 def seed_config(config: dict, seed: int) -> dict:
     """`config` with every learning stage's seeds moved to `seed` (see the top)."""
-    moved = json.loads(json.dumps(config))
+    moved = copy.deepcopy(config)
     for section, values in learning_seeds(seed).items():
         moved[section] |= values
     return moved
@@ -83,16 +85,6 @@ def _spread(values: list[float]) -> dict:
             "min": min(values), "max": max(values)}
 
 
-def _span_seconds(manifests: Path) -> float:
-    """First stage start to last stage end of a seed's run, from its manifests (those of the
-    stages copied from the main run left out)."""
-    copied = {"prepare.json", "base_model.json"}
-    runs = [read_json(p)["run"] for p in manifests.glob("*.json") if p.name not in copied]
-    starts = [datetime.fromisoformat(r["started_at"]).timestamp() for r in runs]
-    ends = [s + r["wall_seconds"] for s, r in zip(starts, runs)]
-    return max(ends) - min(starts)
-
-
 def summary(config: dict, log=print) -> dict:
     seeds = config["seeds"]
     results = {seed: read_input(layout.seed_dir(seed) / layout.RESULTS) for seed in seeds}
@@ -107,8 +99,9 @@ def summary(config: dict, log=print) -> dict:
         "policies": policies,
         "exercise_polite_wrong_outranks_plain_correct": _spread(shortcut),
         # the stages the nested runs share (corpus, base) ran once, in the main run
-        "seconds_per_seed": {str(s): _span_seconds(layout.seed_dir(s) / layout.MANIFESTS)
-                             for s in seeds},
+        # first stage start to last stage end, the stages copied from the main run left out
+        "seconds_per_seed": {str(s): run_facts(layout.seed_dir(s) / layout.MANIFESTS,
+                                               skip=COPIED_STAGES)["seconds"] for s in seeds},
         "note": "sd: sample standard deviation over the seeds; the corpus and the base model "
                 "are the same in every seed, so the spread is the learning stages' alone",
     }

@@ -51,7 +51,7 @@ ROLE = {"sft": "actor", "reward": "reward"}
 # the corpus files each branch learns from, and the validation pairs both measure on
 DATA = {"sft": ("warmstart/pages.json", "labels/warmstart.json"),
         "reward": ("labels/train-pairs.json",)}
-VALIDATION = "labels/validation-pairs.json"
+VALIDATION = corpus.VALIDATION_PAIRS
 
 
 # ---------------------------------------------------------------- data
