@@ -11,6 +11,7 @@ from reprorl import base_model
 from reprorl import config as configuration
 from reprorl.base_model import IM_END, IM_START, PAD, ModelDirectoryError
 from reprorl.encoding import chat_prompt
+from reprorl.errors import ReproError
 from reprorl.manifest import files_under, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,3 +165,23 @@ def test_tokenizer_ids_checked_against_profile(qwen_shaped):
     with pytest.raises(ModelDirectoryError, match="eos_token_id=151645, expected 7"):
         base_model.verify(config)
     assert json.loads((qwen_shaped / "config.json").read_text())["vocab_size"] == 151936
+
+
+def test_qwen_roles_keep_the_seed_parameter_contract(qwen_shaped):
+    """At the real dimensions: 4,399,104 FP32 adapter parameters per role, an FP32 head of 897
+    on the reward model, BF16 base weights, the seed's eager attention; a role on a base of
+    the wrong dtype is refused when it is built."""
+    from reprorl import roles
+
+    config = qwen_config(qwen_shaped)
+    reward = roles.build("reward", config["model"])
+    assert reward.adapter_parameters == 4_399_104
+    assert sum(p.numel() for p in reward.head.parameters()) == 897
+    assert reward.backbone.config._attn_implementation == "eager"
+    assert {p.dtype for n, p in reward.named_parameters() if not roles.is_learned(n)} == {
+        torch.bfloat16}
+    del reward
+    reward = roles.Role("reward", roles.load_backbone(config["model"]))
+    with pytest.raises(ReproError, match="parameter contract: .* is torch.bfloat16, not "
+                                         "torch.float32"):
+        roles.check_contract(reward, torch.float32)

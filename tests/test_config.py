@@ -1,10 +1,12 @@
 """Schema validation: defaults, clear errors, every shipped profile valid."""
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 import yaml
+from conftest import copy_workflow, snakemake
 
 from reprorl import config as configuration
 from reprorl.config import ConfigError
@@ -183,3 +185,43 @@ def test_stage_subsets_only_hold_what_the_stage_reads():
 def test_workflow_schema_is_the_package_schema():
     linked = ROOT / "workflow/schemas/config.schema.yaml"
     assert linked.resolve() == configuration.SCHEMA_PATH.resolve()
+
+
+# What the seed fixes for its Qwen2.5-0.5B-Instruct run (the tutorial's numbers; GRPO: the
+# async trainer's documented defaults, groups of 8), checked where the stages receive them.
+SEED_QWEN = {
+    "model.dtype": "bfloat16", "model.attn_implementation": "eager",
+    "limits.prompt_tokens": 256, "limits.response_tokens": 64, "limits.context_tokens": 320,
+    **{f"{branch}.{key}": value for branch in ("sft", "reward") for key, value in {
+        "learning_rate": 2e-5, "weight_decay": 0.01, "warmup_ratio": 0.1,
+        "final_lr_ratio": 0.1, "max_grad_norm": 1.0, "sampler_seed": 149}.items()},
+    "ppo.actor_learning_rate": 5e-6, "ppo.critic_learning_rate": 1e-5, "ppo.weight_decay": 0.01,
+    "ppo.warmup_ratio": 0.1, "ppo.final_lr_ratio": 0.1, "ppo.max_grad_norm": 1.0,
+    "ppo.kl_coef": 0.02, "ppo.cut_penalty": 1.0, "ppo.gamma": 1.0, "ppo.lam": 0.95,
+    "ppo.clip_epsilon": 0.2,
+    "grpo.num_generations": 8, "grpo.learning_rate": 1e-6, "grpo.gradient_checkpointing": True,
+    "grpo.temperature": 1.0, "grpo.epsilon": 0.2, "grpo.score_centering": True,
+    "grpo.vllm_importance_sampling_clip_min": 0.5, "grpo.vllm_importance_sampling_clip_max": 5.0,
+    "grpo.max_staleness": 4, "grpo.weight_sync_steps": 1, "grpo.num_sampler_logprobs": 8,
+    "grpo.weight_decay": 0.0, "grpo.max_grad_norm": 1.0,
+}
+
+
+def test_qwen_profile_keeps_the_seed_values_as_snakemake_merges_it(tmp_path):
+    """Snakemake loads configs/default.yaml (the Snakefile's `configfile:`) and merges
+    `--configfile configs/qwen2.5-0.5b.yaml` over it; a key the profile leaves out takes the
+    tiny base's value. Read what each stage's command receives from Snakemake's own dry run."""
+    workdir = copy_workflow(tmp_path / "wf")
+    (workdir / "assets/qwen2.5-0.5b-instruct").mkdir(parents=True)  # a dry run needs it only
+    result = snakemake(workdir, "--dry-run", "--printshellcmds", "--forceall",
+                       "--configfile", "configs/qwen2.5-0.5b.yaml")
+    commands = re.findall(r"python -m reprorl (\S+) --config-json '(\{.*?\})'", result.stdout)
+    received = {stage: json.loads(text) for stage, text in commands}
+    assert {"sft_continuous", "reward_continuous", "ppo_continuous",
+            "grpo_learned_continuous"} <= set(received)
+    for path, value in SEED_QWEN.items():
+        section, key = path.split(".")
+        stages = [stage for stage, config in received.items() if section in config]
+        assert stages, path
+        found = {stage: received[stage][section][key] for stage in stages}
+        assert set(found.values()) == {value}, f"{path}: {found}, the seed's is {value!r}"

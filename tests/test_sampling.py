@@ -98,3 +98,18 @@ def test_a_response_cut_at_the_token_limit_says_so(model):
 def test_a_prompt_with_no_room_left_is_refused_by_name(model):
     with pytest.raises(ReproError, match=r"prompts \[1\].*limits.context_tokens"):
         sample_many(model, [[5] * 10, [5] * 240], 24, EOS, MAX_LEN)
+
+
+def test_eager_attention_samples_as_sdpa_does(model):
+    """The engine's 4-D decode mask reaches eager attention in its additive form
+    (`encoding.mask_for`): the same greedy tokens as SDPA, log-probs equal to float rounding."""
+    eager = Qwen2ForCausalLM(Qwen2Config(**{**model.config.to_dict(),
+                                            "attn_implementation": "eager"})).eval()
+    eager.load_state_dict(model.state_dict())
+    assert eager.config._attn_implementation == "eager"
+    pool = prompts(12, 5)
+    expected = sample_many(model, pool, 24, EOS, MAX_LEN)
+    found = sample_many(eager, pool, 24, EOS, MAX_LEN)
+    assert [s.response_ids for s in found] == [s.response_ids for s in expected]
+    for a, b in zip(found, expected):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)

@@ -139,3 +139,19 @@ def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
     rows = torch.arange(mask.shape[0])[last >= 0]
     dones[rows, last[last >= 0]] = True
     return dones
+
+
+def mask_for(model, mask: torch.Tensor) -> torch.Tensor:
+    """The mask in the form the model's attention takes. transformers passes a 4-D mask on
+    as it is (masking_utils treats it as prepared): SDPA reads a bool mask as "may attend",
+    eager attention adds the mask to its scores, so it needs 0 / dtype-min instead."""
+    if mask.dim() != 4:
+        return mask
+    kind = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if kind == "sdpa":
+        return mask
+    if kind == "eager":
+        dtype = next(model.parameters()).dtype
+        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    raise ValueError(f"a 4-D attention mask needs attn_implementation 'sdpa' or 'eager', "
+                     f"not {kind!r}: load the model with one of them")

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .encoding import mask_for
+
 log = logging.getLogger("reprorl.serve")
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
 PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
@@ -371,13 +373,13 @@ class Engine(threading.Thread):
         for layer in self.cache.layers:
             layer.window = (first, first + self.rows, length)
             layer.rows, layer.positions = decoding, positions[decoding]
-        # 4-D and boolean: transformers uses it as given; a 2-D mask that happens to be all
-        # true (a full group at one position) would be dropped, and SDPA would then run
-        # another kernel with other bits
+        # 4-D: transformers uses it as given (`mask_for`: boolean for SDPA, additive for
+        # eager); a 2-D mask that happens to be all true (a full group at one position) would
+        # be dropped, and SDPA would then run another kernel with other bits
         mask = (torch.arange(length)[None] <= positions[:, None])[:, None, None, :]
         try:
             output = self.model(input_ids=ids, position_ids=positions[:, None],
-                                attention_mask=mask, use_cache=True,
+                                attention_mask=mask_for(self.model, mask), use_cache=True,
                                 cache_position=torch.tensor([length - 1]),  # older 5.x read it
                                 **{self.cache_arg: self.cache})
         finally:

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import lora
-from .encoding import Batch, PairBatch, last_token_mask
+from .encoding import Batch, PairBatch, last_token_mask, mask_for
 from .errors import ReproError
 from .manifest import record_read
 
@@ -40,7 +40,7 @@ def load_backbone(model_cfg: dict):
         model_cfg["path"],
         local_files_only=True,
         dtype=getattr(torch, model_cfg["dtype"]),
-        attn_implementation="sdpa",
+        attn_implementation=model_cfg["attn_implementation"],
         output_loading_info=True,
     )
     record_read(model_cfg["path"])
@@ -120,9 +120,8 @@ class Role(nn.Module):
             raise ReproError("only the reward role returns terminal scores")
         if self.head is None:
             raise ReproError(f"the {self.kind} role has no scalar head")
-        # the roles load with SDPA (`load_backbone`), which takes a 4-D bool mask as given
         hidden = self.backbone.model(input_ids=pairs.input_ids, position_ids=pairs.position_ids,
-                                     attention_mask=pairs.attention_mask,
+                                     attention_mask=mask_for(self.backbone, pairs.attention_mask),
                                      use_cache=False).last_hidden_state
         rows = torch.arange(len(pairs.last))
         ends = hidden[rows[:, None], pairs.last]  # (P, 2, H): chosen end, rejected end
@@ -151,9 +150,30 @@ def build(kind: str, model_cfg: dict, learned: dict[str, torch.Tensor] | None = 
     critic starts from the SFT adapters with its own zero value head).
     """
     role = Role(kind, load_backbone(model_cfg))
+    check_contract(role, getattr(torch, model_cfg["dtype"]))
     if learned is not None:
         load_learned(role, learned, heads=not adapters_only)
     return role
+
+
+def check_contract(role: Role, dtype: torch.dtype) -> None:
+    """The seed's parameter contract, on every role built: rank-8 adapters on the seven
+    projections of every layer (r * (in + out) each: 4,399,104 for Qwen2.5-0.5B) and a head of
+    hidden + 1 parameters (897 there), both FP32; every frozen base weight in `dtype`."""
+    expected = lora.expected_parameter_count(role.backbone.config, LORA_RANK)
+    head = sum(p.numel() for p in role.head.parameters()) if role.head is not None else 0
+    problems = []
+    if role.adapter_parameters != expected:
+        problems.append(f"{role.adapter_parameters} adapter parameters, not {expected}")
+    if role.head is not None and head != role.backbone.config.hidden_size + 1:
+        problems.append(f"a head of {head} parameters, not hidden + 1")
+    problems += [f"{n} is {t.dtype}, not float32" for n, t in learned_state(role).items()
+                 if t.dtype != torch.float32]
+    problems += [f"{n} is {t.dtype}, not {dtype}" for n, t in role.named_parameters()
+                 if not is_learned(n) and t.dtype != dtype]
+    if problems:
+        raise ReproError(f"the {role.kind} role breaks the parameter contract: "
+                         f"{'; '.join(problems[:3])}")
 
 
 def is_learned(name: str) -> bool:

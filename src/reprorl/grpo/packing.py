@@ -105,19 +105,3 @@ def lay_out(row: Row) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[li
     return (torch.tensor([[row.token[n] for n in order]], dtype=torch.long),
             torch.tensor([[row.depth[n] for n in order]], dtype=torch.long), mask[None, None],
             [[place[n] for n in path] for path in row.paths])
-
-
-def mask_for(model, mask: torch.Tensor) -> torch.Tensor:
-    """The mask in the form the model's attention takes. transformers passes a 4-D mask on
-    as it is (masking_utils treats it as prepared): SDPA reads a bool mask as "may attend",
-    eager attention adds the mask to its scores, so it needs 0 / dtype-min instead."""
-    if mask.dim() != 4:
-        return mask
-    kind = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if kind == "sdpa":
-        return mask
-    if kind == "eager":
-        dtype = next(model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-    raise ValueError(f"tree packing needs attn_implementation 'sdpa' or 'eager', not {kind!r}: "
-                     "load the policy with one of them")

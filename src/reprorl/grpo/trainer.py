@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import lora
+from ..encoding import mask_for
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from . import server as embedded_server  # started by module name; imported for the code hash
 from .batching import MicroBatch, TokenBudgetBatcher
@@ -60,7 +61,6 @@ from .loss import (
     token_mean,
 )
 from .metrics import MetricsLog, MetricsWindow, console_line
-from .packing import mask_for
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import AsyncRolloutLoop, Sample, drain, reward_name, run_rollout_loop
 from .sample_queue import SampleQueue, StalledRun
