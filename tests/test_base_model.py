@@ -132,13 +132,82 @@ def qwen_shaped(tmp_path_factory):
     save_file({n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()},
               str(directory / "model.safetensors"))
     _qwen_like_tokenizer(directory)
+    record_download(directory, REVISION)
     return directory
+
+
+REVISION = "7ae557604adf67be50417f59c2c2f167def9a775"  # the profile's pin
+
+
+def record_download(directory: Path, commit: str) -> None:
+    """The record `huggingface-cli download --revision --local-dir` leaves, written by
+    huggingface_hub's own writer: the Hub's etag is sha256 for LFS files (the weights, the
+    tokenizer) and git's blob sha1 for the small files kept in git."""
+    import hashlib
+
+    from huggingface_hub._local_folder import write_download_metadata
+    from huggingface_hub.utils.sha import git_hash
+
+    for file in files_under(directory):
+        if ".cache" in file.relative_to(directory).parts:
+            continue
+        data = file.read_bytes()
+        lfs = file.suffix == ".safetensors" or file.name == "tokenizer.json"
+        etag = hashlib.sha256(data).hexdigest() if lfs else git_hash(data)
+        write_download_metadata(directory, file.relative_to(directory).as_posix(), commit, etag)
 
 
 def test_qwen_shaped_directory_passes_and_counts_parameters(qwen_shaped):
     found = base_model.verify(qwen_config(qwen_shaped))
     assert found["parameters"] == 494_032_768  # Qwen2.5-0.5B, tied embeddings counted once
     assert (found["eos_token_id"], found["pad_token_id"]) == (151645, 151643)
+    assert found["revision"] == {"commit": REVISION, "files_checked": len(found["files"])}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(found["files"])
+    assert not any(".cache" in name for name in found["files"])
+
+
+def test_pinned_revision_is_checked_file_by_file(qwen_shaped, tmp_path):
+    """Each way a directory can stop being the pinned commit is refused, naming the file."""
+    import shutil
+
+    def copy(name: str) -> Path:
+        directory = tmp_path / name
+        shutil.copytree(qwen_shaped, directory)
+        return directory
+
+    def refused(directory: Path, match: str, revision: str = REVISION) -> None:
+        config = qwen_config(directory)
+        config["model"]["revision"] = revision
+        with pytest.raises(ModelDirectoryError, match=match):
+            base_model.verify(config)
+
+    no_record = copy("no-record")
+    shutil.rmtree(no_record / ".cache")
+    refused(no_record, "has no download record, so nothing shows it is revision 7ae5576")
+    other_commit = copy("other-commit")
+    record_download(other_commit, "0" * 40)
+    refused(other_commit, f"was downloaded at commit {'0' * 40}, the profile pins {REVISION}")
+    edited = copy("edited")  # same length, one byte changed: only the hash can tell
+    text = (edited / "tokenizer_config.json").read_text()
+    (edited / "tokenizer_config.json").write_text(text.replace('"', "'", 1))
+    refused(edited, "tokenizer_config.json is not the file of revision .*: its content hash")
+    weights = copy("weights")  # LFS file: sha256 etag
+    data = bytearray((weights / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (weights / "model.safetensors").write_bytes(bytes(data))
+    refused(weights, "model.safetensors is not the file of revision")
+    extra = copy("extra")
+    (extra / "notes.txt").write_text("added by hand")
+    refused(extra, "notes.txt is not in the download record")
+    (extra / "model-00002.safetensors").write_bytes(b"")
+    refused(extra, "model-00002.safetensors is not a readable safetensors file")
+    partial = copy("partial")
+    (partial / "tokenizer.json").unlink()
+    refused(partial, "tokenizer.json was downloaded but is missing")
+    refused(copy("branch"), "only a full 40-hex commit can be checked", revision="main")
+    config = qwen_config(no_record)
+    config["model"]["revision"] = None  # the documented way out
+    assert "revision" not in base_model.verify(config)
 
 
 def test_qwen_profile_rejects_wrong_dtype_and_shapes(qwen_shaped, tmp_path):
@@ -155,6 +224,7 @@ def test_qwen_profile_rejects_wrong_dtype_and_shapes(qwen_shaped, tmp_path):
         (broken / name).write_bytes((qwen_shaped / name).read_bytes())
     save_file({"model.embed_tokens.weight": torch.zeros(151936, 64, dtype=torch.bfloat16)},
               str(broken / "model.safetensors"))
+    record_download(broken, REVISION)  # a true record of wrong weights: the shapes catch it
     with pytest.raises(ModelDirectoryError, match="model.embed_tokens.weight is \\[151936, 64\\]"):
         base_model.verify(qwen_config(broken))
 

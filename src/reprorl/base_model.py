@@ -9,13 +9,16 @@ Embedded default (no hub access on this project's machines):
 Both are saved as an ordinary Hugging Face directory and loaded downstream with
 `from_pretrained(..., local_files_only=True)`, exactly as a local Qwen2.5-0.5B-Instruct is.
 
-Local profile: the stage checks a user-provided directory against `model.expect` and stops with
-a message that says what differs and where the weights belong.
+Local profile: the stage checks a user-provided directory against `model.expect` and, when
+`model.revision` pins a commit, every file against the Hub's own record of that commit (see
+`check_revision`), and stops with a message that says what differs and where the weights belong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import struct
 import time
 from pathlib import Path
@@ -178,12 +181,80 @@ def safetensors_headers(directory: Path) -> dict[str, dict]:
     """Name -> {dtype, shape} of every stored tensor, read from headers without the weights."""
     tensors: dict[str, dict] = {}
     for file in sorted(directory.glob("*.safetensors")):
-        with file.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
+        try:
+            with file.open("rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+        except (struct.error, ValueError) as error:  # truncated, or not safetensors at all
+            raise ModelDirectoryError(f"{file} is not a readable safetensors file ({error}): "
+                                      "copy it again") from error
         header.pop("__metadata__", None)
         tensors.update(header)
     return tensors
+
+
+# Where `huggingface-cli download --local-dir D` records each file it wrote: for file F,
+# D/.cache/huggingface/download/F.metadata holds three lines (commit, etag, time).
+DOWNLOAD_RECORD = Path(".cache", "huggingface", "download")
+
+
+def hub_etag(path: Path, etag: str) -> str:
+    """The file's content hash in the form of the Hub's etag for it: sha256 for an LFS file
+    (a 64-hex etag), git's blob sha1 for a file stored in git itself (40 hex)."""
+    if len(etag) == 64:
+        digest = hashlib.sha256()
+    else:
+        digest = hashlib.sha1()
+        digest.update(b"blob %d\0" % path.stat().st_size)
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_revision(directory: Path, revision: str, where: str) -> int:
+    """Every file of the model directory is the Hub's file of commit `revision`.
+
+    What a `--revision R --local-dir D` download leaves is checked, not trusted: each file
+    needs a record whose commit is `revision` and whose etag equals the file's content hash
+    (the etag is the Hub's content hash of that file at that commit), and every recorded file
+    must be present. So a directory passes only if it holds exactly the bytes the Hub served
+    for the pinned commit, whatever was edited, swapped or half-copied since. What it cannot
+    tell offline: that the record itself was not forged, or that the download left out files
+    the commit has (the loader then fails on what it lacks). Returns the files checked."""
+    fix = (f"download it with `huggingface-cli download <repo> --revision {revision} "
+           f"--local-dir {directory}` (which records every file's commit and hash under "
+           f"{directory / DOWNLOAD_RECORD}), or set model.revision: null to skip this check")
+    if not re.fullmatch(r"[0-9a-f]{40}", revision):
+        raise ModelDirectoryError(f"model.revision is {revision!r}: only a full 40-hex commit can "
+                                  "be checked offline (a branch or tag moves); pin the commit")
+    record = directory / DOWNLOAD_RECORD
+    if not record.is_dir():
+        raise ModelDirectoryError(f"{directory} has no download record, so nothing shows it is "
+                                  f"revision {revision}: {fix}")
+    files = {p.relative_to(directory).as_posix() for p in files_under(directory)
+             if not p.is_relative_to(directory / ".cache")}
+    recorded = {p.relative_to(record).as_posix().removesuffix(".metadata")
+                for p in record.rglob("*.metadata")}
+    missing = sorted(recorded - files)
+    if missing:
+        raise ModelDirectoryError(f"{directory}/{missing[0]} was downloaded but is missing: the "
+                                  f"copy is incomplete. {where}")
+    for name in sorted(files):
+        if name not in recorded:
+            raise ModelDirectoryError(f"{directory}/{name} is not in the download record of "
+                                      f"revision {revision}: remove it, or {fix}")
+        lines = (record / f"{name}.metadata").read_text().splitlines()
+        commit, etag = (lines + ["", ""])[:2]
+        if commit != revision:
+            raise ModelDirectoryError(f"{directory}/{name} was downloaded at commit {commit}, "
+                                      f"the profile pins {revision}: {fix}")
+        found = hub_etag(directory / name, etag)
+        if found != etag:
+            raise ModelDirectoryError(
+                f"{directory}/{name} is not the file of revision {revision}: its content hash "
+                f"is {found}, the Hub's is {etag} (edited or corrupted since): {fix}")
+    return len(files)
 
 
 def verify(config: dict) -> dict:
@@ -231,6 +302,9 @@ def verify(config: dict) -> dict:
                 f"{directory}: tensor {name} is {shape or 'missing'} in the weights but "
                 f"{expected.get(name) or 'absent'} in the architecture of config.json. {where}"
             )
+    # after the header checks, which name a wrong model more plainly, and before hashing
+    checked = check_revision(directory, model_cfg["revision"], where) if (
+        model_cfg["source"] == "local" and model_cfg["revision"]) else 0
     parameters = sum(p.numel() for p in model.parameters())  # tied weights counted once
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
@@ -256,7 +330,11 @@ def verify(config: dict) -> dict:
         **ids,
         **names,
         "vocabulary": len(tokenizer),
-        "files": sorted(p.name for p in files_under(directory)),
+        "files": sorted(p.relative_to(directory).as_posix() for p in files_under(directory)
+                        if not p.is_relative_to(directory / ".cache")),
+        # the embedded base has no revision: its summary keeps its keys
+        **({"revision": {"commit": model_cfg["revision"], "files_checked": checked}}
+           if checked else {}),
     }
 
 
