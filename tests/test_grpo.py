@@ -265,7 +265,8 @@ def test_adapter_changed_and_adapter_cache_is_trimmed(e2e):
     assert changed, "three optimizer steps left the LoRA adapter unchanged"
     cache = e2e["out"] / ".vllm_lora"
     versions = sorted(p.name for p in cache.iterdir() if re.fullmatch(r"v\d+", p.name))
-    assert versions == ["v2", "v3"]  # max_staleness + 1 live versions, the newest ones
+    # max_staleness + 1 live versions, the newest, and the one unloaded at the last sync
+    assert versions == ["v1", "v2", "v3"]  # (its files outlive the unload by one sync)
 
 
 @pytest.mark.timeout(120)
@@ -596,7 +597,9 @@ def test_the_embedded_server_has_a_fresh_key_and_serves_only_the_run_adapters(e2
     assert key and len(key) >= 32
     assert all(key not in p.read_text() for p in out.rglob("*.json"))
     log = (out / "server.log").read_text()
-    assert key not in log and "loaded LoRA adapter policy-v0 from " + str(
+    name = trainer.run.lora_name  # policy-<8 hex>: this run's, so a shared server takes it
+    assert re.fullmatch(r"policy-[0-9a-f]{8}", name)
+    assert key not in log and f"loaded LoRA adapter {name}-v0 from " + str(
         (out / ".vllm_lora" / "v0").resolve()) in log
 
 
@@ -772,3 +775,39 @@ def test_an_interrupt_at_the_last_step_before_empty_blocks_resumes_to_the_same_c
     final = checkpoint_bytes(tmp_path / "continuous/checkpoint-3")
     assert json.loads(final["rollout_state.json"])["model_version"] == 4
     assert checkpoint_bytes(tmp_path / "resumed/checkpoint-3") == final
+
+
+class SwappedWeightsTrainer(AsyncGRPOTrainer):
+    """From version 1 on, serves other weights than it trains (as an adapter that loads with
+    HTTP 200 but is not applied would)."""
+
+    def _export_adapter(self, directory: Path) -> None:
+        super()._export_adapter(directory)
+        if self.run.global_step >= 1:
+            from safetensors.torch import load_file, save_file
+
+            file = directory / "adapter_model.safetensors"
+            tensors = load_file(file)
+            save_file({k: v + 0.05 for k, v in tensors.items()}, str(file))
+
+
+@pytest.mark.timeout(120)
+def test_weight_sync_check_passes_true_syncs_and_stops_at_a_wrong_one(tiny_model, tmp_path):
+    """weight_sync_check on the embedded server (off there by default): the canary's log-probs
+    equal the trainer's after every true sync, and the first sync that serves other weights
+    stops the run naming its version, with every process stopped."""
+    args = make_args(tmp_path, "good", max_steps=2, weight_sync_check=True, temperature=0.7)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                               args=args, train_dataset=make_rows(4), log=lambda message: None)
+    assert trainer.train().global_step == 2
+    differences = trainer.run.weights.check.differences
+    assert len(differences) == 3 and max(differences) < 1e-4  # cold sync and one per step
+    args = make_args(tmp_path, "swapped", max_steps=2, weight_sync_check=True)
+    trainer = SwappedWeightsTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                    args=args, train_dataset=make_rows(4),
+                                    log=lambda message: None)
+    with pytest.raises(RuntimeError, match=r"weight sync check failed for policy-[0-9a-f]{8}-v1"
+                                           r": the server's log-probs .* differ"):
+        trainer.train()
+    assert trainer.run.weights.check.differences[0] < 1e-4
+    assert_stopped(Path(args.output_dir), trainer)

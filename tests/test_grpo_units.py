@@ -359,12 +359,78 @@ def test_adapter_versions_keep_the_newest_live(tmp_path):
         directory.mkdir(parents=True)
         (directory / "adapter_model.safetensors").write_text("weights")
 
-    versions = AdapterVersions(admin, tmp_path, "policy", 2, version, export)
+    checked: list[str] = []
+    versions = AdapterVersions(admin, tmp_path, "policy", 2, version, export, checked.append)
     for n in range(4):
         transfer_s, sync_s = versions.publish(n)
         assert 0 <= transfer_s <= sync_s and version.value == n
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2", "v3"]
-    assert list(versions.live) == [2, 3]
+        # an unloaded version's files outlive it by one publish: a request queued before the
+        # unload may still make vLLM reload it from its path
+        kept = {0: ["v0"], 1: ["v0", "v1"], 2: ["v0", "v1", "v2"], 3: ["v1", "v2", "v3"]}[n]
+        assert sorted(p.name for p in tmp_path.iterdir()) == kept
+    assert list(versions.live) == [2, 3] and versions.retired == [1]
+    assert checked == ["policy-v0", "policy-v1", "policy-v2", "policy-v3"]  # each after its load
     assert admin.calls[:4] == [("load", "policy-v0", "v0"), ("load", "policy-v1", "v1"),
                                ("load", "policy-v2", "v2"), ("unload", "policy-v0")]
     assert ("unload", "policy-v1") in admin.calls and ("unload", "policy-v2") not in admin.calls
+    assert versions.close() == [] and admin.calls[-2:] == [("unload", "policy-v2"),
+                                                           ("unload", "policy-v3")]
+    assert not versions.live
+
+
+def test_a_sync_check_that_fails_leaves_the_version_unserved_but_unloadable(tmp_path):
+    admin, version = RecordingAdmin(), SimpleNamespace(value=0)
+
+    def check(name: str):
+        if name.endswith("-v1"):
+            raise RuntimeError(f"weight sync check failed for {name}")
+
+    versions = AdapterVersions(admin, tmp_path, "policy-ab12", 2, version,
+                               lambda d: d.mkdir(parents=True), check)
+    versions.publish(0)
+    with pytest.raises(RuntimeError, match="policy-ab12-v1"):
+        versions.publish(1)
+    assert version.value == 0  # the worker never samples under the unproven version
+    assert versions.close() == [] and admin.calls[-2:] == [("unload", "policy-ab12-v0"),
+                                                           ("unload", "policy-ab12-v1")]
+
+
+def test_load_failures_say_what_to_fix_from_vllms_recorded_answers():
+    """The client's message for each failure a real vLLM answered (its recorded bodies)."""
+    import json
+
+    import vllm_responses
+
+    from reprorl.grpo.client import load_failure
+
+    recorded = json.loads(vllm_responses.RECORDED.read_text())
+
+    def message(key: str) -> str:
+        answer = recorded[key]
+        return load_failure("http://s", "policy-ab-v1", "/runs/a/v1", answer["status"],
+                            json.dumps(answer["body"]))
+
+    assert "found no adapter at /runs/a/v1" in message("load_missing_path")
+    assert "same path" in message("load_missing_path")  # not "start vLLM with --enable-lora"
+    assert "Restart it with a --max-lora-rank" in message("load_rank_too_large")
+    assert "already holds an adapter named policy-ab-v1" in message("load_twice")
+    assert "start vLLM with --enable-lora" in load_failure(
+        "http://s", "x", "/p", 404, '{"detail": "Not Found"}')  # no such route
+
+
+def test_server_limits_read_from_metrics_refuse_what_cannot_hold_the_run():
+    from reprorl.grpo.client import parse_prometheus
+    from reprorl.grpo.weights import refuse_unfit_server
+
+    one = ('vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+           'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",'
+           'waiting_lora_adapters=""} 1.7e+09\n')
+    metrics = parse_prometheus(one)
+    assert metrics["engines"] == {"0"} and metrics["max_loras"] == 4
+    refuse_unfit_server("http://s", metrics, 4)  # max_staleness 2: fits exactly
+    with pytest.raises(RuntimeError, match="--max-loras 5 or more"):
+        refuse_unfit_server("http://s", metrics, 5)
+    two = one + 'vllm:num_requests_running{engine="1",model_name="m"} 0.0\n'
+    with pytest.raises(RuntimeError, match="2 engine cores .*--data-parallel-size 1"):
+        refuse_unfit_server("http://s", parse_prometheus(two), 2)
+    refuse_unfit_server("http://s", None, 9)  # no /metrics: nothing to judge by

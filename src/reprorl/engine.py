@@ -38,9 +38,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 class ApiError(Exception):
     """A failure with its HTTP status (the server answers it in vLLM's JSON error shape)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.param = status, message, param  # param: vLLM's field
 
 
 @dataclass

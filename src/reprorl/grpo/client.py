@@ -59,20 +59,25 @@ _SAMPLE = re.compile(r"^(vllm:[a-zA-Z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
 
 
 def parse_prometheus(text: str) -> dict:
-    """The vLLM gauges/counters the worker reads, summed over engines; cache capacity too."""
+    """The vLLM gauges/counters the worker reads, summed over engines; cache capacity, the
+    engine cores (`engines`: data-parallel replicas) and `max_loras` too."""
     out: dict = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line.strip())
         if not match:
             continue
-        name, labels, value = match.group(1)[5:], match.group(2) or "", float(match.group(3))
+        name, value = match.group(1)[5:], float(match.group(3))
+        fields = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if "engine" in fields:
+            out.setdefault("engines", set()).add(fields["engine"])
         if name == "cache_config_info":
-            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            if "num_gpu_blocks" in fields and fields["num_gpu_blocks"] not in ("", "None"):
+            if fields.get("num_gpu_blocks", "") not in ("", "None"):
                 out[name] = {"num_gpu_blocks": int(fields["num_gpu_blocks"]),
                              "block_size": int(fields.get("block_size", 16))}
-            continue
-        if name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):  # max over engines
+        elif name == "lora_requests_info":  # vLLM's --max-loras, when LoRA is on
+            if fields.get("max_lora", "").isdigit():
+                out["max_loras"] = int(fields["max_lora"])
+        elif name in ("kv_cache_usage_perc", "gpu_cache_usage_perc"):  # max over engines
             out["kv_cache_usage_perc"] = max(out.get("kv_cache_usage_perc", 0.0), value)
         elif name in ("num_requests_running", "num_requests_waiting", "num_preemptions_total"):
             out[name] = out.get(name, 0.0) + value
@@ -162,6 +167,37 @@ class CompletionClient:
         return self._max_model_len
 
 
+def server_message(text: str) -> str:
+    """The message of vLLM's error body ({"error": {"message": ...}}), else the raw text."""
+    try:
+        return str(json.loads(text)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
+
+
+def load_failure(base_url: str, name: str, path: str, status: int, text: str) -> str:
+    """What went wrong loading an adapter, and the fix, from the answers vLLM and the embedded
+    server give (recorded in tests/recorded/vllm-responses.json)."""
+    message = server_message(text)
+    if status == 404 and "No adapter found" in message:  # vLLM: the path is not readable
+        return (f"the server at {base_url} found no adapter at {path} ({name}): it must read "
+                "the trainer's files at the same path (same machine, or output_dir on a "
+                "filesystem both see)")
+    if status == 404:  # no such route: LoRA updating is off
+        return (f"{base_url} has no /v1/load_lora_adapter: start vLLM with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
+    if re.search(r"rank \d+ is greater than max_lora_rank", message):
+        return (f"the server at {base_url} refused adapter {name}: {message} Restart it with "
+                "a --max-lora-rank at least the policy's lora_rank")
+    if "already been loaded" in message:
+        return (f"the server at {base_url} already holds an adapter named {name}: {message}")
+    if "--max-loras" in message:  # the embedded server refuses instead of evicting
+        return (f"the server at {base_url} holds its --max-loras adapters already: {message} "
+                "Restart it with --max-loras at least max_staleness + 2, or unload another "
+                "run's adapters")
+    return f"loading adapter {name} from {path} failed: HTTP {status} {message}"
+
+
 class ServerRequestError(RuntimeError):
     """The server answered 4xx: the request is wrong, retrying cannot help."""
 
@@ -206,7 +242,7 @@ class ServerAdmin:
                 pass
             if process is not None and process.poll() is not None:
                 tail = Path(log_path).read_text()[-2000:] if log_path else ""
-                raise RuntimeError(f"the embedded server exited with code "
+                raise RuntimeError(f"the generation server exited with code "
                                    f"{process.returncode} before it was ready:\n{tail}")
             if time.monotonic() - started > startup_timeout:
                 raise TimeoutError(f"no generation server answered {self.base_url}/health "
@@ -222,15 +258,33 @@ class ServerAdmin:
     def load_lora_adapter(self, name: str, path: str) -> None:
         response = self.request("POST", "/v1/load_lora_adapter", json={
             "lora_name": name, "lora_path": path, "load_inplace": False})
-        if response.status_code == 404:
-            raise RuntimeError(f"{self.base_url} has no /v1/load_lora_adapter: start vLLM with "
-                               "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         if response.status_code != 200:
-            raise RuntimeError(f"loading adapter {name} from {path} failed: "
-                               f"HTTP {response.status_code} {response.text[:300]}")
+            raise RuntimeError(load_failure(self.base_url, name, path, response.status_code,
+                                            response.text))
 
     def unload_lora_adapter(self, name: str) -> None:
-        self.request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        response = self.request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+        if response.status_code != 200:
+            raise RuntimeError(f"unloading adapter {name} from {self.base_url} failed: HTTP "
+                               f"{response.status_code} {response.text[:300]}")
+
+    def complete(self, model: str, prompt_ids: list[int], max_tokens: int,
+                 temperature: float, seed: int) -> Completion:
+        """One sampling request, blocking (the trainer's canary); errors raise at once."""
+        response = self.request("POST", "/v1/completions", json={
+            "model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
+            "temperature": temperature, "seed": seed, "logprobs": 0, "n": 1,
+            "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False, "stream": False})
+        if response.status_code != 200:
+            raise RuntimeError(f"the server at {self.base_url} refused a request for {model}: "
+                               f"HTTP {response.status_code} {server_message(response.text)}")
+        return parse_completion(response.json())
+
+    def served_models(self) -> list[str]:
+        response = self.request("GET", "/v1/models")
+        response.raise_for_status()
+        return [card["id"] for card in response.json()["data"]]
 
     def metrics(self) -> dict | None:
         try:

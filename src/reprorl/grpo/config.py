@@ -12,7 +12,8 @@ weight syncs too), `vllm_request_timeout` each request. Additions of ours, group
 replays bit for bit), `synchronous` (its lag 0, the benchmark's baseline) and `groups_per_step`
 (its step: a fixed count of prompts, where the seed's step holds what the rows' budget takes),
 `vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
-`reward_timeout` and `stall_timeout`, and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
+`reward_timeout` and `stall_timeout`, `weight_sync_check*` (each sync proven by a canary
+request, see `weights.SyncCheck`), and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
 Every number is checked finite and in range when the config is made.
 """
 
@@ -143,6 +144,10 @@ class AsyncGRPOConfig:
         600.0, "Seconds one reward function may take to score one group before the run fails.")
     stall_timeout: float = option(
         1800.0, "Seconds without a trained sample before the run stops with an error naming why.")
+    weight_sync_check: bool | None = option(
+        None, "Prove each sync with a canary request (None: on for an external server only).")
+    weight_sync_check_tolerance: float = option(
+        0.05, "Largest mean |server - trainer| log-prob over the canary's tokens, in nats.")
     lora_rank: int = option(8, "LoRA rank of a fresh adapter.")
     lora_alpha: float = option(16.0, "LoRA alpha of a fresh adapter.")
 
@@ -233,7 +238,7 @@ class AsyncGRPOConfig:
                 yield f"{name} must be >= 0"
         for name in ("num_train_epochs", "max_grad_norm", "adam_epsilon", "lora_alpha",
                      "vllm_server_timeout", "vllm_request_timeout", "rollout_worker_timeout",
-                     "reward_timeout", "stall_timeout"):
+                     "reward_timeout", "stall_timeout", "weight_sync_check_tolerance"):
             if getattr(self, name) <= 0:
                 yield f"{name} must be > 0"
         for name in ("adam_beta1", "adam_beta2"):

@@ -45,6 +45,7 @@ import numpy as np
 from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 from .processes import die_with_parent
+from .weights import served_name
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
 _ROLLOUT = contextvars.ContextVar("rollout")  # [rollout key, requests so far]: request seeds
@@ -321,7 +322,8 @@ class AsyncRolloutLoop:
     def served_name(self, version: int | None = None) -> str:
         if self.lora_name is None:
             return self.model_name
-        return f"{self.lora_name}-v{self.model_version.value if version is None else version}"
+        return served_name(self.lora_name,
+                           self.model_version.value if version is None else version)
 
     async def run(self) -> None:
         self.client = CompletionClient(self.config.vllm_server_base_url,

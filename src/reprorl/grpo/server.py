@@ -67,6 +67,7 @@ from ..lora import PEFT_PREFIX, TARGETS, with_adapter
 log = logging.getLogger("reprorl.serve")
 
 
+SYSTEM_FINGERPRINT = "reprorl-serve"
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}
 
@@ -75,7 +76,7 @@ def error_response(error: ApiError) -> web.Response:
     """vLLM's JSON error body, with the error's status."""
     kind = ERROR_TYPES.get(error.status, "InternalServerError")
     return web.json_response({"error": {"message": error.message, "type": kind,
-                                        "param": None, "code": error.status}},
+                                        "param": error.param, "code": error.status}},
                              status=error.status)
 
 
@@ -139,6 +140,9 @@ def adapter_files(name: str, path: str, root: Path | None) -> list[Path]:
     for file in files:
         try:
             mode = os.lstat(file).st_mode
+        except FileNotFoundError as error:  # vLLM's answer, status and words
+            raise ApiError(404, f"Loading lora {name} failed: No adapter found for "
+                           f"{path}") from error
         except (OSError, ValueError) as error:
             raise ApiError(400, f"Loading lora {name} failed: {error}") from error
         if not stat.S_ISREG(mode):
@@ -296,7 +300,14 @@ class Server:
 
     def card(self, name: str, root: str, parent: str | None) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "reprorl",
-                "root": root, "parent": parent, "max_model_len": self.max_len}
+                "root": root, "parent": parent, "max_model_len": self.max_len,
+                "permission": [{  # vLLM's card carries OpenAI's permission object too
+                    "id": f"modelperm-{name}", "object": "model_permission",
+                    "created": self.created, "allow_create_engine": False,
+                    "allow_sampling": True, "allow_logprobs": True,
+                    "allow_search_indices": False, "allow_view": True,
+                    "allow_fine_tuning": False, "organization": "*", "group": None,
+                    "is_blocking": False}]}
 
     async def models(self, request):
         cards = [self.card(self.name, self.args.model, None)] + [
@@ -334,6 +345,13 @@ class Server:
         for name, kind, text, samples in table:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
             lines += [f"{name}{{{extra}{label}}} {float(value)}" for extra, value in samples]
+        # vLLM's LoRA gauge: no engine label; the value is when it was set
+        running = ",".join(sorted({seq.adapter.name for seq in list(engine.running)
+                                   if seq.adapter is not None}))
+        lines += ["# HELP vllm:lora_requests_info Running stats on lora requests.",
+                  "# TYPE vllm:lora_requests_info gauge",
+                  (f'vllm:lora_requests_info{{max_lora="{self.args.max_loras}",'
+                   f'running_lora_adapters="{running}",waiting_lora_adapters=""}} {time.time()}')]
         return web.Response(body=("\n".join(lines) + "\n").encode(), headers={
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -445,7 +463,7 @@ class Server:
         body = await self.body(request)
         model = self.text(body, "model") or self.name
         if model != self.name and model not in self.adapters:
-            raise ApiError(404, f"The model `{model}` does not exist.")
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model")
         if not self.engine.is_alive():
             raise ApiError(503, "The engine thread is not running.")
         self.refuse_if_overloaded()
@@ -498,13 +516,18 @@ class Server:
             "token_ids": list(seq.generated) if with_ids else None,
             "prompt_logprobs": None,
             "prompt_token_ids": list(seq.prompt) if with_ids else None,
+            "routed_experts": None,  # vLLM's, for mixture-of-experts models
         }
         prompt_tokens, completion_tokens = len(seq.prompt), len(seq.generated)
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                 "created": int(time.time()), "model": model, "choices": [choice],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens,
-                          "prompt_tokens_details": None}}
+                          "prompt_tokens_details": None, "completion_tokens_details": None},
+                # vLLM's other top-level keys, empty here as they are in vLLM without those
+                # features (tests/recorded/vllm-responses.json)
+                "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 # ---------------------------------------------------------------- entry point

@@ -64,9 +64,9 @@ from .metrics import MetricsLog, MetricsWindow, console_line
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import AsyncRolloutLoop, Sample, drain, reward_name, run_rollout_loop
 from .sample_queue import SampleQueue, StalledRun
-from .weights import AdapterVersions
+from .weights import AdapterVersions, SyncCheck, refuse_unfit_server
 
-LORA_NAME = "policy"  # served as policy-v<N>
+LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() call
 
 
 def _terminate(signum, frame):
@@ -169,15 +169,29 @@ def kept_logits(model, batch: MicroBatch) -> torch.Tensor:
     ).logits.flatten(0, 1) for f in batch.forwards])
 
 
+def autocast_for(args: AsyncGRPOConfig):
+    return (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
+            else contextlib.nullcontext())
+
+
+def sequence_logprobs(model, args: AsyncGRPOConfig, prompt_ids: list[int],
+                      output_ids: list[int]) -> list[float]:
+    """log pi(output | prompt) per output token at the run's temperature, as the loss scores
+    it (one unpadded sequence, no gradient, no RNG drawn): the weight-sync canary's side."""
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)])
+    with torch.no_grad(), autocast_for(args):
+        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
+    scores = (logits.float() / args.temperature).log_softmax(-1)
+    return scores.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
 def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch
                     ) -> tuple[torch.Tensor, dict]:
     """The micro-batch's loss (`loss.py`, token mean over its trained tokens) and the seed's
     sampling metrics. The forwards run on the batch's layout (tree rows, or padded rows); their
     kept logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every
     per-token quantity below is computed per trained token, whatever the layout."""
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
-                else contextlib.nullcontext())
-    with autocast:
+    with autocast_for(args):
         logits = kept_logits(model, batch)
     # log_softmax on the kept positions once, then one copy per column that reads them
     scores = (logits.float() / args.temperature).log_softmax(-1)[batch.index]
@@ -262,6 +276,7 @@ class TrainingRun:
     saved: tuple[int, int] | None = None  # (step, version) of the last checkpoint written
     window: MetricsWindow = field(default_factory=MetricsWindow)  # since the last log line
     weights: AdapterVersions | None = None
+    lora_name: str = LORA_NAME  # policy-<tag>: this train() call's served adapters
     batcher: TokenBudgetBatcher | None = None
     samples: SampleQueue | None = None
     allowance: Any = None  # shared .value: tokens the worker may keep queued or in flight
@@ -403,12 +418,19 @@ class AsyncGRPOTrainer:
                             args.vllm_server_api_key)
         admin.wait_ready(args.vllm_server_timeout, self.server and self.server.process,
                          self.output_dir / "server.log")
+        if not args.embedded_server:  # a server started by somebody else: can it hold us?
+            refuse_unfit_server(admin.base_url, admin.metrics(), args.max_staleness + 2)
         token_budget = args.token_budget or admin.max_model_len()
         top = args.num_sampler_logprobs if args.score_centering else 1
         run.batcher = TokenBudgetBatcher(token_budget, args.per_device_train_batch_size, top,
                                          self.tokenizer.pad_token_id or 0)
-        run.weights = AdapterVersions(admin, self.lora_dir, LORA_NAME, args.max_staleness + 1,
-                                      run.version, self._export_adapter)
+        check = args.weight_sync_check
+        run.lora_name = f"{LORA_NAME}-{secrets.token_hex(4)}"  # the worker's too
+        run.weights = AdapterVersions(
+            admin, self.lora_dir, run.lora_name, args.max_staleness + 1, run.version,
+            self._export_adapter,
+            self._sync_check(admin) if check or (check is None and not args.embedded_server)
+            else None)
         current = run.version.value
         for version, source in self._scheduled_versions(run.checkpoint):
             run.weights.publish(version, source)  # a resumed fixed schedule's older versions
@@ -460,7 +482,7 @@ class AsyncGRPOTrainer:
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
             "eos_token_ids": self.eos_token_ids, "rollout_buffer": groups,
             "model_version_value": run.version, "token_allowance": run.allowance,
-            "metrics_queue": run.worker_metrics, "lora_name": LORA_NAME,
+            "metrics_queue": run.worker_metrics, "lora_name": run.lora_name,
             "dataset_start_index": run.ledger.cursor,
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor),
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
@@ -469,12 +491,26 @@ class AsyncGRPOTrainer:
                                              signals.started))
         self.worker.wait_started(MAIN_GUARD)
 
+    def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
+        """The canary: the first row's prompt, rendered as the worker renders prompts."""
+        text = self.tokenizer.apply_chat_template(
+            self.rows[0]["prompt"], tokenize=False, add_generation_prompt=True,
+            **(self.args.chat_template_kwargs or {}))
+        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return SyncCheck(admin, lambda p, o: sequence_logprobs(self.model, self.args, p, o),
+                         prompt_ids, self.args.temperature, self.args.seed,
+                         self.args.weight_sync_check_tolerance)
+
     def _stop_processes(self) -> None:
         try:
             if self.worker is not None:
                 self.worker.stop()
                 self.worker = None
         finally:
+            weights = self.run.weights if self.run is not None else None
+            if weights is not None and self.server is None:  # a server that outlives us
+                for error in weights.close():
+                    self.log(f"warning: {error}")
             if self.server is not None:
                 self.server.stop()
                 self.server = None

