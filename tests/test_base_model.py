@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -171,9 +172,17 @@ def test_pinned_revision_is_checked_file_by_file(qwen_shaped, tmp_path):
     import shutil
 
     def copy(name: str) -> Path:
+        """The fixture's files hard-linked (1 GB of weights, not copied) and its record
+        copied; a file a case changes is replaced, never written through the link."""
         directory = tmp_path / name
-        shutil.copytree(qwen_shaped, directory)
+        shutil.copytree(qwen_shaped, directory, ignore=shutil.ignore_patterns(".cache"),
+                        copy_function=os.link)
+        shutil.copytree(qwen_shaped / ".cache", directory / ".cache")
         return directory
+
+    def replace(file: Path, data: bytes) -> None:
+        file.unlink()
+        file.write_bytes(data)
 
     def refused(directory: Path, match: str, revision: str = REVISION) -> None:
         config = qwen_config(directory)
@@ -189,12 +198,12 @@ def test_pinned_revision_is_checked_file_by_file(qwen_shaped, tmp_path):
     refused(other_commit, f"was downloaded at commit {'0' * 40}, the profile pins {REVISION}")
     edited = copy("edited")  # same length, one byte changed: only the hash can tell
     text = (edited / "tokenizer_config.json").read_text()
-    (edited / "tokenizer_config.json").write_text(text.replace('"', "'", 1))
+    replace(edited / "tokenizer_config.json", text.replace('"', "'", 1).encode())
     refused(edited, "tokenizer_config.json is not the file of revision .*: its content hash")
     weights = copy("weights")  # LFS file: sha256 etag
     data = bytearray((weights / "model.safetensors").read_bytes())
     data[-1] ^= 1
-    (weights / "model.safetensors").write_bytes(bytes(data))
+    replace(weights / "model.safetensors", bytes(data))
     refused(weights, "model.safetensors is not the file of revision")
     extra = copy("extra")
     (extra / "notes.txt").write_text("added by hand")
