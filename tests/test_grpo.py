@@ -597,7 +597,7 @@ def test_the_embedded_server_has_a_fresh_key_and_serves_only_the_run_adapters(e2
     assert key and len(key) >= 32
     assert all(key not in p.read_text() for p in out.rglob("*.json"))
     log = (out / "server.log").read_text()
-    name = trainer.run.lora_name  # policy-<8 hex>: this run's, so a shared server takes it
+    name = trainer.run.weights.name  # policy-<8 hex>: this run's, so a shared server takes it
     assert re.fullmatch(r"policy-[0-9a-f]{8}", name)
     assert key not in log and f"loaded LoRA adapter {name}-v0 from " + str(
         (out / ".vllm_lora" / "v0").resolve()) in log

@@ -31,8 +31,8 @@ from test_grpo import (
     read_metrics,
     token_sum_reward,
 )
+from test_server import adapter_model
 
-from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.client import ServerAdmin
 
@@ -137,8 +137,8 @@ def test_two_runs_against_one_live_server(server, model, tmp_path):
         check = trainer.run.weights.check  # on by default against a server of somebody else's
         assert len(check.differences) == 4  # the cold sync and one per step
         assert max(check.differences) < TOL
-        assert adapters_of(server, trainer.run.lora_name) == []  # its leftovers unloaded
-        runs.append((trainer.run.lora_name, time.monotonic() - started))
+        assert adapters_of(server, trainer.run.weights.name) == []  # its leftovers unloaded
+        runs.append((trainer.run.weights.name, time.monotonic() - started))
     assert runs[0][0] != runs[1][0]
     print(f"vLLM started in {server['start_s']:.0f} s; runs took "
           f"{runs[0][1]:.0f} s and {runs[1][1]:.0f} s")
@@ -149,7 +149,7 @@ def test_an_interrupted_run_resumes_against_the_live_server(server, model, tmp_p
     first = AsyncGRPOTrainer(model=str(model), reward_funcs=token_sum_reward, args=args,
                              train_dataset=make_rows(4), log=lambda message: None)
     assert first.train(interrupt_after_step=1).global_step == 1
-    assert adapters_of(server, first.run.lora_name) == []
+    assert adapters_of(server, first.run.weights.name) == []
     messages: list[str] = []
     second = AsyncGRPOTrainer(model=str(model), reward_funcs=token_sum_reward,
                               args=args_for(server, tmp_path / "out", save_steps=1),
@@ -158,8 +158,8 @@ def test_an_interrupted_run_resumes_against_the_live_server(server, model, tmp_p
     assert any(m.startswith("resumed from") for m in messages)
     steps = [line["step"] for line in read_metrics(tmp_path / "out") if "perf/step_s" in line]
     assert steps == [1, 2, 3]
-    assert second.run.lora_name != first.run.lora_name
-    assert adapters_of(server, second.run.lora_name) == []
+    assert second.run.weights.name != first.run.weights.name
+    assert adapters_of(server, second.run.weights.name) == []
 
 
 def test_a_server_that_cannot_hold_the_run_is_refused_with_the_fix(server, model, tmp_path):
@@ -185,27 +185,19 @@ def test_a_sync_that_serves_other_weights_stops_the_run(server, model, tmp_path)
     trainer = SwappedWeightsTrainer(model=str(model), reward_funcs=token_sum_reward,
                                     args=args_for(server, tmp_path / "out"),
                                     train_dataset=make_rows(4), log=lambda message: None)
-    name = None
     with pytest.raises(RuntimeError, match=r"weight sync check failed for policy-[0-9a-f]{8}-v1"
                        r": .* differ from the trainer's by"):
-        try:
-            trainer.train()
-        finally:
-            name = trainer.run.lora_name
+        trainer.train()
     assert trainer.run.weights.check.differences[0] < TOL  # version 0 was served right
-    assert adapters_of(server, name) == []  # a failed run unloads what it loaded too
+    assert adapters_of(server, trainer.run.weights.name) == []  # a failed run unloads too
 
 
 def test_vllm_still_answers_as_recorded(server, model, tmp_path):
     """The live vLLM's answers have every key and type of the recorded ones (which the
     embedded server is held to in test_server.py), and the failures keep their words."""
     small, big = tmp_path / "rank8", tmp_path / "rank16"
-    for directory, rank in ((small, 8), (big, 16)):
-        from transformers import AutoModelForCausalLM
-
-        policy = AutoModelForCausalLM.from_pretrained(model, local_files_only=True)
-        lora.inject(policy, rank, 2.0 * rank, 0)
-        lora.export_peft(policy, directory, str(model), rank, 2.0 * rank)
+    adapter_model(model, small, 8, seed=1)
+    adapter_model(model, big, 16, seed=2)  # > --max-lora-rank 8
     live = vllm_responses.record(server["url"], str(model), str(small), str(big))
     recorded = json.loads(vllm_responses.RECORDED.read_text())
     for key, answer in recorded.items():

@@ -29,7 +29,7 @@ from . import layout
 from .corpus import pretraining_texts
 from .encoding import chat_prompt
 from .errors import ModelDirectoryError, ReproError
-from .manifest import atomic_directory, files_under, record_read, write_json
+from .manifest import atomic_directory, files_under, record_read, sha256_file, write_json
 from .progress import progress
 from .schedule import linear_warmup_decay
 
@@ -202,14 +202,19 @@ def hub_etag(path: Path, etag: str) -> str:
     """The file's content hash in the form of the Hub's etag for it: sha256 for an LFS file
     (a 64-hex etag), git's blob sha1 for a file stored in git itself (40 hex)."""
     if len(etag) == 64:
-        digest = hashlib.sha256()
-    else:
-        digest = hashlib.sha1()
-        digest.update(b"blob %d\0" % path.stat().st_size)
+        return sha256_file(path)
+    digest = hashlib.sha1()
+    digest.update(b"blob %d\0" % path.stat().st_size)
     with path.open("rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def model_files(directory: Path) -> list[str]:
+    """The directory's own files (relative paths), without the download record under .cache."""
+    return [p.relative_to(directory).as_posix() for p in files_under(directory)
+            if not p.is_relative_to(directory / ".cache")]
 
 
 def check_revision(directory: Path, revision: str, where: str) -> int:
@@ -232,8 +237,7 @@ def check_revision(directory: Path, revision: str, where: str) -> int:
     if not record.is_dir():
         raise ModelDirectoryError(f"{directory} has no download record, so nothing shows it is "
                                   f"revision {revision}: {fix}")
-    files = {p.relative_to(directory).as_posix() for p in files_under(directory)
-             if not p.is_relative_to(directory / ".cache")}
+    files = set(model_files(directory))
     recorded = {p.relative_to(record).as_posix().removesuffix(".metadata")
                 for p in record.rglob("*.metadata")}
     missing = sorted(recorded - files)
@@ -330,8 +334,7 @@ def verify(config: dict) -> dict:
         **ids,
         **names,
         "vocabulary": len(tokenizer),
-        "files": sorted(p.relative_to(directory).as_posix() for p in files_under(directory)
-                        if not p.is_relative_to(directory / ".cache")),
+        "files": model_files(directory),
         # the embedded base has no revision: its summary keeps its keys
         **({"revision": {"commit": model_cfg["revision"], "files_checked": checked}}
            if checked else {}),

@@ -218,6 +218,13 @@ def reward_name(func) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def prompt_token_ids(tokenizer, prompt: list[dict], chat_template_kwargs=None) -> list[int]:
+    """A row's chat prompt as the token ids a rollout sends (the generation prompt appended)."""
+    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                         **(chat_template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 class AsyncRolloutLoop:
     def __init__(self, config, model_name: str, dataset, reward_funcs: list, processing_class,
                  eos_token_ids: list[int], rollout_buffer, model_version_value, token_allowance,
@@ -255,10 +262,7 @@ class AsyncRolloutLoop:
 
     async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
         """One rollout. Single turn here; the tool loop of a later release plugs in here."""
-        text = self.tokenizer.apply_chat_template(
-            prompt, tokenize=False, add_generation_prompt=True,
-            **(self.config.chat_template_kwargs or {}))
-        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids = prompt_token_ids(self.tokenizer, prompt, self.config.chat_template_kwargs)
         turn = await self.generate_one_turn(list(prompt_ids))
         ids = turn.output_ids
         body = ids[:-1] if ids and ids[-1] in self.eos_token_ids else ids

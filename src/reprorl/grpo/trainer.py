@@ -62,7 +62,14 @@ from .loss import (
 )
 from .metrics import MetricsLog, MetricsWindow, console_line
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
-from .rollout import AsyncRolloutLoop, Sample, drain, reward_name, run_rollout_loop
+from .rollout import (
+    AsyncRolloutLoop,
+    Sample,
+    drain,
+    prompt_token_ids,
+    reward_name,
+    run_rollout_loop,
+)
 from .sample_queue import SampleQueue, StalledRun
 from .weights import AdapterVersions, SyncCheck, refuse_unfit_server
 
@@ -276,7 +283,6 @@ class TrainingRun:
     saved: tuple[int, int] | None = None  # (step, version) of the last checkpoint written
     window: MetricsWindow = field(default_factory=MetricsWindow)  # since the last log line
     weights: AdapterVersions | None = None
-    lora_name: str = LORA_NAME  # policy-<tag>: this train() call's served adapters
     batcher: TokenBudgetBatcher | None = None
     samples: SampleQueue | None = None
     allowance: Any = None  # shared .value: tokens the worker may keep queued or in flight
@@ -425,9 +431,9 @@ class AsyncGRPOTrainer:
         run.batcher = TokenBudgetBatcher(token_budget, args.per_device_train_batch_size, top,
                                          self.tokenizer.pad_token_id or 0)
         check = args.weight_sync_check
-        run.lora_name = f"{LORA_NAME}-{secrets.token_hex(4)}"  # the worker's too
-        run.weights = AdapterVersions(
-            admin, self.lora_dir, run.lora_name, args.max_staleness + 1, run.version,
+        run.weights = AdapterVersions(  # named policy-<tag>: this train() call's, the worker's too
+            admin, self.lora_dir, f"{LORA_NAME}-{secrets.token_hex(4)}", args.max_staleness + 1,
+            run.version,
             self._export_adapter,
             self._sync_check(admin) if check or (check is None and not args.embedded_server)
             else None)
@@ -482,7 +488,7 @@ class AsyncGRPOTrainer:
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
             "eos_token_ids": self.eos_token_ids, "rollout_buffer": groups,
             "model_version_value": run.version, "token_allowance": run.allowance,
-            "metrics_queue": run.worker_metrics, "lora_name": run.lora_name,
+            "metrics_queue": run.worker_metrics, "lora_name": run.weights.name,
             "dataset_start_index": run.ledger.cursor,
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor),
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
@@ -493,10 +499,8 @@ class AsyncGRPOTrainer:
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
-        text = self.tokenizer.apply_chat_template(
-            self.rows[0]["prompt"], tokenize=False, add_generation_prompt=True,
-            **(self.args.chat_template_kwargs or {}))
-        prompt_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt_ids = prompt_token_ids(self.tokenizer, self.rows[0]["prompt"],
+                                      self.args.chat_template_kwargs)
         return SyncCheck(admin, lambda p, o: sequence_logprobs(self.model, self.args, p, o),
                          prompt_ids, self.args.temperature, self.args.seed,
                          self.args.weight_sync_check_tolerance)
