@@ -110,14 +110,20 @@ class RecordingConfig(AsyncGRPOConfig):
 
 class RecordingLoop(AsyncRolloutLoop):
     """Writes every position `filter_prompt` is offered (epoch * rows + index in the epoch's
-    seeded order) and rejects the last prompt of every epoch."""
+    seeded order) and rejects the third prompt of every epoch.
+
+    Why the third: the worker starts the second group only after the first has finished (the
+    allowance's rule while no group size is known), and offers the next position in the same
+    turn of its event loop as it starts a group, so the third position's "filtered" marker is
+    always queued after the first group and before the second: the order never depends on
+    timing."""
 
     def filter_prompt(self, row_index, row, epoch):
         rows = len(self.dataset)
         index = epoch_order(self.config.data_order_seed, epoch, rows).index(row_index)
         with open(self.config.record_path, "a") as handle:
             handle.write(f"{epoch * rows + index}\n")
-        return index != rows - 1
+        return index != 2
 
 
 class FailingLoop(AsyncRolloutLoop):
@@ -343,9 +349,9 @@ def test_resume_continues_step_cursor_and_metrics(tiny_model, tmp_path):
     state = json.loads((out / "checkpoint-3" / "rollout_state.json").read_text())
     cursor, consumed = state["next_prompt_index"], state["consumed_after_cursor"]
     assert state["model_version"] == 3 and state["global_step"] == 3
-    # Position 3 is filtered at once, while positions 1-2 are still being trained two samples
-    # a step: the cursor stays behind it, and it is listed as consumed instead.
-    assert cursor >= 1 and consumed and all(p > cursor for p in consumed)
+    # Steps 1-2 train position 0, step 3 takes position 2's marker (filtered) and trains half
+    # of position 1: the cursor stays at 1, and 2 is listed as consumed beyond it.
+    assert (cursor, consumed) == (1, [2]), (cursor, consumed)
     seen_first = [int(x) for x in record.read_text().split()]
     assert set(consumed) <= set(seen_first)
     record.unlink()
