@@ -189,6 +189,12 @@ def adapter_state(trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in lora.peft_state(trainer.model).items()}
 
 
+def server_log_text(log) -> str:
+    """What a server started by `start_server` has logged so far."""
+    log.flush()
+    return Path(log.name).read_text()
+
+
 def start_server(model: Path, directory: Path, *flags: str):
     """A real embedded server in its own process (the test owns it), and its URL."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -589,6 +595,17 @@ def test_a_server_with_an_api_key_serves_the_trainer_and_refuses_others(tiny_mod
         assert trainer.train().global_step == 2
         state = (Path(args.output_dir) / "checkpoint-2" / "rollout_state.json").read_text()
         assert "s3cret" not in state  # the key is never written into a checkpoint
+        # the weight routes want the key too; a full-model run given it syncs through them
+        for route in ("/collective_rpc", "/reset_prefix_cache"):
+            keyless = requests.post(url + route, json={"method": "reload_weights"}, timeout=10)
+            assert keyless.status_code == 401
+        args = make_args(tmp_path, "full", embedded_server=False, vllm_server_base_url=url,
+                         vllm_server_api_key="s3cret", max_steps=1, use_peft=False)
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                   args=args, train_dataset=make_rows(4), log=lambda m: None)
+        assert trainer.train().global_step == 1
+        assert max(trainer.run.weights.check.differences) < 1e-4  # on for a server not ours
+        assert "reloaded weights from " + str(tiny_model) in server_log_text(server_log)
     finally:
         server.kill()
         server.wait()
@@ -787,8 +804,8 @@ class SwappedWeightsTrainer(AsyncGRPOTrainer):
     """From version 1 on, serves other weights than it trains (as an adapter that loads with
     HTTP 200 but is not applied would)."""
 
-    def _export_adapter(self, directory: Path) -> None:
-        super()._export_adapter(directory)
+    def _export_policy(self, directory: Path) -> None:
+        super()._export_policy(directory)
         if self.run.global_step >= 1:
             from safetensors.torch import load_file, save_file
 
@@ -817,3 +834,60 @@ def test_weight_sync_check_passes_true_syncs_and_stops_at_a_wrong_one(tiny_model
         trainer.train()
     assert trainer.run.weights.check.differences[0] < 1e-4
     assert_stopped(Path(args.output_dir), trainer)
+
+
+# ---------------------------------------------------------------- 5. full-model training
+
+
+def model_state(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+@pytest.mark.timeout(300)
+def test_full_model_training_syncs_merged_weights_and_resumes_bit_for_bit(tiny_model,
+                                                                          tmp_path):
+    """use_peft=False (TRL's peft_config=None): every weight trains, no LoRA layer exists, and
+    each sync reloads the merged weights into the embedded server: the canary's log-probs equal
+    the trainer's after every sync (the server's own prefix cache included), and the first
+    step's samples score alike on both sides. The checkpoint holds the whole model; on the
+    synchronous schedule an interrupted run resumed in a new trainer ends byte for byte where
+    the straight one does. An adapter asked for beside use_peft=False, or a lag the single
+    served version cannot give, is refused before anything starts."""
+    def trainer_for(name, **overrides):
+        args = make_args(tmp_path, name, use_peft=False, weight_sync_check=True,
+                         temperature=0.7, max_staleness=1, **{"max_steps": 3, **overrides})
+        return AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                args=args, train_dataset=make_rows(4), log=lambda m: None)
+
+    trainer = trainer_for("free")
+    before = model_state(trainer)
+    assert trainer.train().global_step == 3
+    after = model_state(trainer)
+    assert not any(isinstance(m, lora.LoRALinear) for m in trainer.model.modules())
+    assert all(not torch.equal(before[k], after[k]) for k in before), "a weight did not train"
+    differences = trainer.run.weights.check.differences
+    assert len(differences) == 4 and max(differences) < 1e-4  # the cold sync and one per step
+    lines = read_metrics(tmp_path / "free")
+    first = next(line for line in lines if "perf/step_s" in line)
+    assert first["sample/staleness_max"] == 0
+    assert first["sampling/sampling_logp_difference/max"] < 1e-4
+    checkpoint = tmp_path / "free" / "checkpoint-3"
+    assert (checkpoint / "model" / "model.safetensors").is_file()
+    assert not (checkpoint / "adapter").exists()
+    served = sorted(p.name for p in (tmp_path / "free" / ".vllm_lora").iterdir())
+    assert served == ["v2", "v3"]  # the served version, and the one its files outlive by a sync
+    assert_stopped(tmp_path / "free", trainer)
+
+    trainer_for("straight", synchronous=True).train()
+    trainer_for("resumed", synchronous=True).train(interrupt_after_step=1)
+    resumed = trainer_for("resumed", synchronous=True)
+    assert resumed.train(resume_from_checkpoint=True).global_step == 3
+    assert checkpoint_bytes(tmp_path / "resumed/checkpoint-3") == checkpoint_bytes(
+        tmp_path / "straight/checkpoint-3")
+
+    with pytest.raises(ValueError, match="use_peft=False trains the full model, but lora_path"):
+        AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                         args=make_args(tmp_path, "x", use_peft=False), train_dataset=make_rows(4),
+                         lora_path=str(checkpoint / "model"))
+    with pytest.raises(ValueError, match="schedule_lag >= 1 samples from several weight"):
+        make_args(tmp_path, "x", use_peft=False, schedule_lag=1)

@@ -284,6 +284,78 @@ def test_lora_adapters(server, reference, tiny_model, tmp_path):
     assert response.status_code == 404 and response.json()["error"]["type"] == "NotFoundError"
 
 
+def perturbed_model(tiny_model, directory, seed):
+    """A copy of the base with every weight moved (the tied embedding too), saved as
+    `save_pretrained` writes full weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
+                                                 dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    model.save_pretrained(directory)
+    return model
+
+
+def test_reload_weights_serves_the_new_weights_from_the_next_step(tiny_model, reference,
+                                                                   tmp_path):
+    """vLLM's /collective_rpc reload_weights (full-model training's sync): a request after it
+    samples under the new weights, the tied output layer included; a prompt prefilled before
+    it is not served from the old weights' prefix cache; with no path, --model comes back; a
+    wrong directory is refused naming what is wrong, and the served weights stay."""
+    base, tokenizer = reference
+    root = tmp_path / "root"
+    moved = perturbed_model(tiny_model, root / "v1", seed=3)
+    prompt = prompt_ids(tokenizer, "Reload me.")
+    body = {"prompt": prompt, "max_tokens": 8, "seed": 5, "logprobs": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+    def served_against(url, model):
+        choice = complete(url, model=str(tiny_model), **body)
+        tokens, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        expected = direct_logprobs(model, prompt, tokens)
+        return max(abs(served[i] - float(expected[i, tokens[i]])) for i in range(len(tokens)))
+
+    rpc = "/collective_rpc"
+    with running_server(tiny_model, tmp_path, "--max-model-len", str(MAX_LEN),
+                        "--lora-root", str(root)) as (url, _):
+        assert served_against(url, base) < TOL  # and the prompt's prefill is now cached
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(root / "v1")}}
+        response = requests.post(url + rpc, json=reload, timeout=60)
+        assert response.status_code == 200 and response.json() == {"results": [None]}
+        assert served_against(url, moved) < TOL
+        assert served_against(url, base) > 1e-3
+        assert requests.post(url + "/reset_prefix_cache", timeout=10).json() == {
+            "success": True}
+
+        from safetensors.torch import save_file
+        (root / "short").mkdir()
+        save_file({"model.norm.weight": torch.ones(base.config.hidden_size)},
+                  str(root / "short" / "model.safetensors"))
+        (root / "twins").mkdir()  # the tied output layer written apart, and not equal
+        state = {k: v.clone() for k, v in moved.state_dict().items()}
+        state["lm_head.weight"] += 1
+        save_file(state, str(root / "twins" / "model.safetensors"))
+        bad = [("short", 400, "lacks"), ("nothing", 404, "no *.safetensors"),
+               (str(tmp_path), 400, "outside the adapter root"),
+               ("twins", 400, "are one tied weight of this model but differ")]
+        for where, status, words in bad:
+            path = where if where.startswith("/") else str(root / where)
+            response = requests.post(url + rpc, timeout=30, json={
+                "method": "reload_weights", "kwargs": {"weights_path": path}})
+            assert response.status_code == status, response.text
+            assert words in response.json()["error"]["message"]
+        response = requests.post(url + rpc, json={"method": "sleep"}, timeout=10)
+        assert response.status_code == 400 and "reload_weights only" in response.text
+        assert served_against(url, moved) < TOL  # the refused reloads changed nothing
+
+        response = requests.post(url + rpc, json={"method": "reload_weights"}, timeout=60)
+        assert response.status_code == 200
+        assert served_against(url, base) < TOL
+
+
 def test_requests_beyond_the_slots_wait_and_stop_cleanly(tiny_model, reference, tmp_path):
     """48 KV tokens hold one slot of 32 (--max-model-len): six concurrent requests run one at
     a time, nothing is preempted or recomputed, and each gets exactly its tokens alone."""

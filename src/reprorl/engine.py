@@ -11,11 +11,15 @@ thread behind vLLM's HTTP API; `sampling.sample_many` drives it in the caller's 
 (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per sequence, not paged
 blocks; no preemption (a sequence waits for a free slot); sampling is `torch.multinomial`;
 prefix caching reuses whole prompts only (the last 16 prefills), not shared blocks of them.
+Work that must not overlap a forward (a weight reload) runs in the engine thread between two
+steps (`between_steps`); sequences already running go on under the new weights with the KV
+they have, as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import inspect
 import logging
@@ -192,6 +196,7 @@ class Engine(threading.Thread):
         # group's samples share one prompt, and the same forward would give the same bits
         self.prefixes: OrderedDict[tuple, tuple] = OrderedDict()
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
+        self.calls: list[tuple] = []  # (work, future) to run between two steps
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to their ends in the caller's thread, the same steps the background
@@ -212,6 +217,36 @@ class Engine(threading.Thread):
             self.stopping = True
             self.cond.notify()
 
+    def between_steps(self, work) -> concurrent.futures.Future:
+        """Run `work()` in the engine thread while no forward runs (a weight reload, a cache
+        reset); the future gets its result or its exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self.cond:
+            if self.stopping or not self.is_alive():
+                future.set_exception(ApiError(503, "The engine has stopped."))
+            else:
+                self.calls.append((work, future))
+                self.cond.notify()
+        return future
+
+    @staticmethod
+    def run_calls(calls: list[tuple]) -> None:
+        """`between_steps` work, each call once; a call its caller gave up on (a cancelled
+        future: the client went away) is skipped, so it never half-applies unseen."""
+        for work, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = work()
+            except Exception as error:  # noqa: BLE001 (the caller reports it)
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the recent prefills (their KV and logits belong to the old weights)."""
+        self.prefixes.clear()
+
     def kv_in_use(self) -> int:
         return sum(s.length for s in list(self.running))
 
@@ -220,11 +255,17 @@ class Engine(threading.Thread):
             with torch.inference_mode():
                 while True:
                     with self.cond:
-                        while not (self.stopping or self.waiting or self.running):
+                        while not (self.stopping or self.waiting or self.running
+                                   or self.calls):
                             self.cond.wait()
                         if self.stopping:
                             return
-                        newcomers = self.schedule()
+                        calls, self.calls = self.calls, []
+                        if not calls:
+                            newcomers = self.schedule()
+                    if calls:  # then round again: the next step sees their effect
+                        self.run_calls(calls)
+                        continue
                     try:
                         self.step(newcomers)
                     except Exception as error:  # a bug outside one sequence's work
@@ -234,9 +275,14 @@ class Engine(threading.Thread):
                             seq.resolve(ApiError(500, f"generation failed: {error}"))
         finally:  # stopped or broken: /health turns 503 and nobody is left waiting
             with self.cond:
+                self.stopping = True  # a call made from now on is refused, never left waiting
                 left, self.running, self.waiting = [*self.running, *self.waiting], [], deque()
+                calls, self.calls = self.calls, []
             for seq in left:
                 seq.resolve(ApiError(503, "The engine has stopped."))
+            for _, future in calls:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(ApiError(503, "The engine has stopped."))
 
     def schedule(self) -> list[Sequence]:
         """Drop aborted requests (their slots free up), then admit waiting ones FIFO into free

@@ -198,6 +198,15 @@ def load_failure(base_url: str, name: str, path: str, status: int, text: str) ->
     return f"loading adapter {name} from {path} failed: HTTP {status} {message}"
 
 
+def missing_route(response) -> bool:
+    """A 404 or 405 about the route itself (FastAPI's `{"detail": ...}`, aiohttp's reason),
+    not an answer of the endpoint."""
+    if response.status_code not in (404, 405):
+        return False
+    message = server_message(response.text)
+    return message in ("Not Found", "Method Not Allowed") or message.startswith('{"detail"')
+
+
 class ServerRequestError(RuntimeError):
     """The server answered 4xx: the request is wrong, retrying cannot help."""
 
@@ -267,6 +276,24 @@ class ServerAdmin:
         if response.status_code != 200:
             raise RuntimeError(f"unloading adapter {name} from {self.base_url} failed: HTTP "
                                f"{response.status_code} {response.text[:300]}")
+
+    def reload_weights(self, path: str | None) -> None:
+        """The server's weights replaced by the full weights saved in `path` (None: the
+        model it started with), then its prefix cache dropped (computed with the old ones):
+        vLLM's development endpoints, as full-model training syncs."""
+        kwargs = {} if path is None else {"weights_path": path}
+        for route, body in (("/collective_rpc", {"method": "reload_weights", "kwargs": kwargs}),
+                            ("/reset_prefix_cache", None)):
+            response = self.request("POST", route, json=body)
+            if missing_route(response):
+                raise RuntimeError(
+                    f"{self.base_url} has no {route}: full-model training (use_peft=False) "
+                    "syncs merged weights through vLLM's development endpoints; start vLLM "
+                    "with VLLM_SERVER_DEV_MODE=1, or train a LoRA adapter (use_peft=True)")
+            if response.status_code != 200:
+                raise RuntimeError(f"reloading weights from {path} on {self.base_url} failed: "
+                                   f"HTTP {response.status_code} "
+                                   f"{server_message(response.text)}")
 
     def complete(self, model: str, prompt_ids: list[int], max_tokens: int,
                  temperature: float, seed: int) -> Completion:

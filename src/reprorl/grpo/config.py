@@ -13,7 +13,10 @@ replays bit for bit), `synchronous` (its lag 0, the benchmark's baseline) and `g
 (its step: a fixed count of prompts, where the seed's step holds what the rows' budget takes),
 `vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
 `reward_timeout` and `stall_timeout`, `weight_sync_check*` (each sync proven by a canary
-request, see `weights.SyncCheck`), and `lora_rank` / `lora_alpha` (a fresh adapter's shape).
+request, see `weights.SyncCheck`), `lora_rank` / `lora_alpha` (a fresh adapter's shape) and
+`use_peft` (TRL's `ModelConfig` name: False trains the full model, which TRL's trainer does when
+`peft_config` is None; here a missing `peft_config` still means a fresh LoRA of `lora_rank`,
+the pipeline's policy).
 Every number is checked finite and in range when the config is made.
 """
 
@@ -148,6 +151,8 @@ class AsyncGRPOConfig:
         None, "Prove each sync with a canary request (None: on for an external server only).")
     weight_sync_check_tolerance: float = option(
         0.05, "Largest mean |server - trainer| log-prob over the canary's tokens, in nats.")
+    use_peft: bool = option(
+        True, "Train a LoRA adapter; False: every weight, synced to the server as full weights.")
     lora_rank: int = option(8, "LoRA rank of a fresh adapter.")
     lora_alpha: float = option(16.0, "LoRA alpha of a fresh adapter.")
 
@@ -197,6 +202,10 @@ class AsyncGRPOConfig:
             yield "synchronous=True is schedule_lag=0: leave schedule_lag unset"
         if self.schedule_lag is not None and self.weight_sync_steps != 1:
             yield "a fixed schedule (schedule_lag, synchronous) needs weight_sync_steps=1"
+        if not self.use_peft and self.schedule_lag not in (None, 0):
+            yield ("schedule_lag >= 1 samples from several weight versions at once, and a server "
+                   "holds one version of full weights: with use_peft=False use schedule_lag=0 "
+                   "(synchronous) or None (free-running), or train a LoRA (use_peft=True)")
 
     def _number_problems(self):
         """Every numeric field a finite number of its declared kind (None where allowed)."""

@@ -3,8 +3,11 @@
 `reprorl serve --model DIR` loads a Hugging Face directory and serves `/health`, `/v1/models`,
 `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and `/v1/completions` with
 vLLM's request and response shapes, so a client written against it runs unchanged against a real
-`vllm serve`. A background thread runs the batch-invariant engine (`reprorl.engine.Engine`)
-over `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
+`vllm serve`; and, as vLLM does with `VLLM_SERVER_DEV_MODE=1`, `/collective_rpc` (its
+`reload_weights` method only: new full weights from a directory, applied between two engine
+steps) and `/reset_prefix_cache`, through which full-model training syncs merged weights.
+A background thread runs the batch-invariant engine (`reprorl.engine.Engine`) over
+`min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
 groups of `--decode-rows`: a request's tokens, log-probs and top log-probs are bitwise the same
 whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after temperature,
 min-p, top-k, top-p; raw log-softmax when greedy). Each request samples with its own generator.
@@ -15,7 +18,9 @@ a slot of `--max-model-len` tokens per sequence, not paged blocks (the metrics r
 `slots * max-model-len // 16` blocks); no preemption (a request waits for a free slot), and
 `--max-model-len` may not exceed `--kv-cache-tokens`;
 loading more than `--max-loras` adapters is refused instead of LRU-swapped, and LoRA model
-cards carry `max_model_len` too; a request with `seed: null` draws its seed from the server's
+cards carry `max_model_len` too; `reload_weights` checks every tensor against the model (names,
+shapes, finite values, every weight given) and answers a wrong directory with 400 or 404, where
+vLLM answers 500; a request with `seed: null` draws its seed from the server's
 `--seed` stream; sampling is `torch.multinomial`, so seeded tokens differ from vLLM's.
 
 Hardening (vLLM's behaviour where it has one): `--api-key` / `VLLM_API_KEY` requires a Bearer
@@ -68,6 +73,7 @@ log = logging.getLogger("reprorl.serve")
 
 
 SYSTEM_FINGERPRINT = "reprorl-serve"
+WEIGHT_ROUTES = ("/collective_rpc", "/reset_prefix_cache")  # a Bearer key too, when one is set
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}
 
@@ -196,6 +202,68 @@ def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: in
     return Adapter(name, str(path), weights)
 
 
+# ---------------------------------------------------------------- full weights
+
+
+def weight_targets(model) -> dict[str, torch.Tensor]:
+    """What a full checkpoint may hold, by its names: every parameter (tied twins both) and
+    persistent buffer of `model` (`state_dict`'s names, the objects themselves)."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+def read_weights(path: str, targets: dict[str, torch.Tensor], allowed: list[Path]
+                 ) -> dict[str, torch.Tensor]:
+    """The `*.safetensors` of a directory (as `save_pretrained` writes them) by `targets`'
+    names (`weight_targets`), converted to their dtypes: each tensor known, of its target's
+    shape, finite once converted; every parameter given (a tied one through its twin, which
+    `save_pretrained` leaves out; twins given both must be equal). `allowed`: the directories
+    the path may lie below (none: anywhere)."""
+    from safetensors.torch import load_file
+
+    try:
+        directory = Path(path).resolve()
+    except (OSError, ValueError) as error:
+        raise ApiError(400, f"reload_weights: {error}") from error
+    if allowed and not any(directory.is_relative_to(root) for root in allowed):
+        raise ApiError(400, f"reload_weights: {path} is outside the adapter root (--lora-root) "
+                       "and is not the served model.")
+    files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
+    if not files:
+        raise ApiError(404, f"reload_weights: no *.safetensors weights found in {path}.")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not stat.S_ISREG(os.lstat(file).st_mode):
+            raise ApiError(400, f"reload_weights: {file} is not a regular file.")
+        try:
+            tensors.update(load_file(file))
+        except Exception as error:  # unreadable: the client's file
+            raise ApiError(400, f"reload_weights: {file}: {error}") from error
+    given: dict[int, tuple[str, torch.Tensor]] = {}  # target object -> its first tensor
+    for name, tensor in tensors.items():
+        target = targets.get(name)
+        if target is None:
+            raise ApiError(400, f"reload_weights: {path} holds {name}, which this model lacks.")
+        if tensor.shape != target.shape or tensor.is_floating_point() != (
+                target.is_floating_point()):
+            raise ApiError(400, f"reload_weights: {name} is {tensor.dtype} "
+                           f"{tuple(tensor.shape)}, the model's {target.dtype} "
+                           f"{tuple(target.shape)}.")
+        tensors[name] = tensor = tensor.to(target.dtype)
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ApiError(400, f"reload_weights: {name} holds NaN or Inf values (in "
+                           f"{target.dtype}).")
+        twin = given.setdefault(id(target), (name, tensor))
+        if twin[0] != name and not torch.equal(twin[1], tensor):
+            raise ApiError(400, f"reload_weights: {name} and {twin[0]} are one tied weight "
+                           "of this model but differ in the file.")
+    missing = [name for name, target in targets.items()
+               if isinstance(target, torch.nn.Parameter) and id(target) not in given]
+    if missing:
+        raise ApiError(400, f"reload_weights: {path} lacks {len(missing)} of the model's "
+                       f"weights, e.g. {missing[0]}.")
+    return tensors
+
+
 # ---------------------------------------------------------------- sampling
 
 
@@ -232,6 +300,8 @@ class Server:
         self.extra_eos = {extra} if isinstance(extra, int) else set(extra or ())
         self.extra_eos.discard(self.eos_id)
         self.vocab = model.config.vocab_size
+        # by checkpoint name, before the Switches rename the linears
+        self.weights = weight_targets(model)
         switches = {}
         for name, module in list(model.named_modules()):
             if name.rpartition(".")[2] in TARGETS and isinstance(module, nn.Linear):
@@ -251,9 +321,10 @@ class Server:
 
     def authorised(self, request) -> bool:
         """vLLM's rule: with keys set, every /v1 request but OPTIONS needs one as a Bearer
-        token (digests compared in constant time)."""
+        token (digests compared in constant time); ours also for the weight routes, which
+        vLLM keeps behind its development mode."""
         if not self.key_digests or request.method == "OPTIONS" or not (
-                request.path.startswith("/v1")):
+                request.path.startswith("/v1") or request.path in WEIGHT_ROUTES):
             return True
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         digest = hashlib.sha256(token.encode()).digest()
@@ -290,6 +361,8 @@ class Server:
             web.post("/v1/load_lora_adapter", self.load_lora),
             web.post("/v1/unload_lora_adapter", self.unload_lora),
             web.post("/v1/completions", self.completions),
+            web.post("/collective_rpc", self.collective_rpc),
+            web.post("/reset_prefix_cache", self.reset_prefix_cache),
         ])
         return app
 
@@ -402,6 +475,35 @@ class Server:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
         log.info("unloaded LoRA adapter %s", name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def collective_rpc(self, request):
+        """vLLM's development endpoint, for its `reload_weights` method: the weights of
+        `kwargs.weights_path` (default: --model) replace the served ones between two engine
+        steps, and the prefix cache, computed with the old ones, is dropped."""
+        body = await self.body(request)
+        method, kwargs = body.get("method"), body.get("kwargs") or {}
+        if method != "reload_weights":
+            raise ApiError(400, f"collective_rpc method {method!r} is not supported here "
+                           "(reload_weights only).")
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "'kwargs' must be an object.")
+        path = self.text(kwargs, "weights_path") or self.args.model
+        allowed = [] if self.lora_root is None else [self.lora_root,
+                                                     Path(self.args.model).resolve()]
+        tensors = await asyncio.to_thread(read_weights, path, self.weights, allowed)
+
+        def apply() -> None:
+            for name, tensor in tensors.items():
+                self.weights[name].copy_(tensor)
+            self.engine.reset_prefix_cache()
+
+        await asyncio.wrap_future(self.engine.between_steps(apply))
+        log.info("reloaded weights from %s", path)
+        return web.json_response({"results": [None]})
+
+    async def reset_prefix_cache(self, request):
+        await asyncio.wrap_future(self.engine.between_steps(self.engine.reset_prefix_cache))
+        return web.json_response({"success": True})
 
     def params(self, body: dict, prompt_len: int) -> Params:
         for key in ("stream", "echo"):

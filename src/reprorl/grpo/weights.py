@@ -1,4 +1,5 @@
-"""`AdapterVersions`: weight versions published to the generation server through its LoRA path.
+"""Weight versions published to the generation server: `AdapterVersions` through its LoRA path,
+`MergedVersions` as full weights (full-model training).
 
 Version N is a PEFT adapter written atomically under `<directory>/v<N>/` and loaded as
 `served_name(name, N)`, where `name` is unique to the trainer's run (`policy-<tag>`): a
@@ -11,9 +12,10 @@ longer for the same reason). `close()` unloads what the run left loaded. After e
 `check(name)` (when given) asks the server to prove it serves the new weights (the trainer's
 canary: `SyncCheck` below).
 
-Departure from the seed (TRL): no merged full-weight sync, so the server is never paused and no
-other process is waited on; of the seed's pause/barrier/transfer split only the transfer (write
-+ load) exists.
+Departures from the seed (TRL): neither sync pauses the server or waits on another process; of
+the seed's pause/barrier/transfer split only the transfer (write + load) exists. Merged weights
+travel through a file and vLLM's `reload_weights`, not NCCL: the CPU servers here have no NCCL,
+and the same call serves vLLM and the embedded server.
 """
 
 from __future__ import annotations
@@ -81,6 +83,69 @@ class AdapterVersions:
         return errors
 
 
+class MergedVersions:
+    """Full weights, one version served at a time (`use_peft=False`).
+
+    Version N is the policy as `save_pretrained` writes it, under `<directory>/v<N>/`, loaded
+    into the server in place (`ServerAdmin.reload_weights`: vLLM's `/collective_rpc
+    reload_weights`, then `/reset_prefix_cache`) and served under the model's own name. The
+    server holds no older version: a rollout running across a sync finishes under the new
+    weights (its sampler log-probs are the ones it sampled with, which the importance ratio
+    reads), and its samples keep the version they started under, so their staleness counts from
+    the oldest weights that made them. A version's files are deleted one publish later, as
+    `AdapterVersions` does. The server must serve the model under `served`, the trainer's
+    model path (vLLM's default name for `--model` that path). `close()` reloads `base_path`
+    (that path again) once any reload was asked for, even one that failed half-way, so a
+    long-lived server shared with other runs serves what it served before.
+    """
+
+    name = None  # no adapter name: the worker samples the model's own name
+
+    def __init__(self, admin, directory: Path, served: str, base_path: str, version, export,
+                 check=None):
+        self.admin, self.directory = admin, Path(directory)
+        self.served, self.base_path = served, base_path
+        self.version, self.export, self.check = version, export, check
+        self.current: int | None = None  # the version whose files the server was given last
+        self.retired: list[int] = []
+        self.changed = False  # a reload was asked for: close() must put the base back
+
+    def adapter_name(self, version: int) -> str:
+        return self.served
+
+    def publish(self, version: int, source: Path | None = None) -> tuple[float, float]:
+        """Make `version` (the policy's weights now) the served policy; returns (transfer
+        seconds, total seconds)."""
+        if source is not None:
+            raise ValueError("merged weights serve one version: a fixed schedule that samples "
+                             "older versions needs LoRA (use_peft=True)")
+        started = time.monotonic()
+        for old in self.retired:
+            shutil.rmtree(self.directory / f"v{old}", ignore_errors=True)
+        self.retired = [] if self.current is None else [self.current]
+        directory = self.directory / f"v{version}"
+        shutil.rmtree(directory, ignore_errors=True)
+        self.export(directory)
+        self.changed, self.current = True, version  # before the call: it may half-succeed
+        self.admin.reload_weights(str(directory.resolve()))
+        transfer_s = time.monotonic() - started
+        if self.check is not None:
+            self.check(self.served)
+        self.version.value = version
+        return transfer_s, time.monotonic() - started
+
+    def close(self) -> list[str]:
+        """Put the server's starting weights back; returns the error, if any."""
+        if not self.changed:
+            return []
+        self.changed = False
+        try:
+            self.admin.reload_weights(self.base_path)
+        except (RuntimeError, OSError) as error:  # the server may be gone: go on
+            return [f"reloading the starting weights from {self.base_path}: {error}"]
+        return []
+
+
 class SyncCheck:
     """A weight sync proven, not assumed: the server samples a fixed canary prompt under the
     version just loaded (seeded, at the run's temperature), and the trainer scores those tokens
@@ -93,8 +158,9 @@ class SyncCheck:
     importance ratio, which corrects what remains."""
 
     def __init__(self, admin, score, prompt_ids: list[int], temperature: float, seed: int,
-                 tolerance: float, tokens: int = 8):
+                 tolerance: float, tokens: int = 8, hint: str = ""):
         self.admin, self.score, self.prompt_ids = admin, score, list(prompt_ids)
+        self.hint = hint  # a cause this run's setting makes likely, said after the usual ones
         self.temperature, self.seed, self.tolerance, self.tokens = (
             temperature, seed, tolerance, tokens)
         self.differences: list[float] = []  # one per check, for the run's metrics
@@ -114,7 +180,7 @@ class SyncCheck:
                 f"average (weight_sync_check_tolerance {self.tolerance:g}), so it does not serve "
                 "the weights just synced. Causes seen: an adapter loaded but not applied, a "
                 "server started without --logprobs-mode processed_logprobs, another dtype, a "
-                "LoRA load that reached one replica of several")
+                "LoRA load that reached one replica of several" + self.hint)
 
 
 def refuse_unfit_server(base_url: str, metrics: dict | None, adapters: int) -> None:
@@ -128,8 +194,9 @@ def refuse_unfit_server(base_url: str, metrics: dict | None, adapters: int) -> N
     if len(engines) > 1:
         raise RuntimeError(
             f"the server at {base_url} runs {len(engines)} engine cores (data-parallel "
-            "replicas): a LoRA load reaches one of them, the others would sample the old "
-            "policy. Serve each trainer from one engine (--data-parallel-size 1 and "
+            "replicas): a LoRA load reaches one of them (a full-weight reload is not known "
+            "to reach them all), the others would sample the old policy. Serve each trainer "
+            "from one engine (--data-parallel-size 1 and "
             "--api-server-count 1)")
     if metrics.get("max_loras", adapters) < adapters:
         raise RuntimeError(
