@@ -867,6 +867,7 @@ def test_full_model_training_syncs_merged_weights_and_resumes_bit_for_bit(tiny_m
     assert all(not torch.equal(before[k], after[k]) for k in before), "a weight did not train"
     differences = trainer.run.weights.check.differences
     assert len(differences) == 4 and max(differences) < 1e-4  # the cold sync and one per step
+    print(f"full-model syncs, embedded server: canary |difference| at most {max(differences):.2g}")
     lines = read_metrics(tmp_path / "free")
     first = next(line for line in lines if "perf/step_s" in line)
     assert first["sample/staleness_max"] == 0
