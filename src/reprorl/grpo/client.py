@@ -277,13 +277,12 @@ class ServerAdmin:
             raise RuntimeError(f"unloading adapter {name} from {self.base_url} failed: HTTP "
                                f"{response.status_code} {response.text[:300]}")
 
-    def reload_weights(self, path: str | None) -> None:
-        """The server's weights replaced by the full weights saved in `path` (None: the
-        model it started with), then its prefix cache dropped (computed with the old ones):
-        vLLM's development endpoints, as full-model training syncs."""
-        kwargs = {} if path is None else {"weights_path": path}
-        for route, body in (("/collective_rpc", {"method": "reload_weights", "kwargs": kwargs}),
-                            ("/reset_prefix_cache", None)):
+    def reload_weights(self, path: str) -> None:
+        """The server's weights replaced by the full weights saved in `path`, then its prefix
+        cache dropped (computed with the old ones): vLLM's development endpoints, as full-model
+        training syncs."""
+        call = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        for route, body in (("/collective_rpc", call), ("/reset_prefix_cache", None)):
             response = self.request("POST", route, json=body)
             if missing_route(response):
                 raise RuntimeError(

@@ -223,45 +223,52 @@ def read_weights(path: str, targets: dict[str, torch.Tensor], allowed: list[Path
     try:
         directory = Path(path).resolve()
     except (OSError, ValueError) as error:
-        raise ApiError(400, f"reload_weights: {error}") from error
+        raise ApiError(400, str(error)) from error
     if allowed and not any(directory.is_relative_to(root) for root in allowed):
-        raise ApiError(400, f"reload_weights: {path} is outside the adapter root (--lora-root) "
+        raise ApiError(400, f"{path} is outside the adapter root (--lora-root) "
                        "and is not the served model.")
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
     if not files:
-        raise ApiError(404, f"reload_weights: no *.safetensors weights found in {path}.")
+        raise ApiError(404, f"no *.safetensors weights found in {path}.")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         if not stat.S_ISREG(os.lstat(file).st_mode):
-            raise ApiError(400, f"reload_weights: {file} is not a regular file.")
+            raise ApiError(400, f"{file} is not a regular file.")
         try:
             tensors.update(load_file(file))
         except Exception as error:  # unreadable: the client's file
-            raise ApiError(400, f"reload_weights: {file}: {error}") from error
+            raise ApiError(400, f"{file}: {error}") from error
     given: dict[int, tuple[str, torch.Tensor]] = {}  # target object -> its first tensor
     for name, tensor in tensors.items():
         target = targets.get(name)
         if target is None:
-            raise ApiError(400, f"reload_weights: {path} holds {name}, which this model lacks.")
+            raise ApiError(400, f"{path} holds {name}, which this model lacks.")
         if tensor.shape != target.shape or tensor.is_floating_point() != (
                 target.is_floating_point()):
-            raise ApiError(400, f"reload_weights: {name} is {tensor.dtype} "
+            raise ApiError(400, f"{name} is {tensor.dtype} "
                            f"{tuple(tensor.shape)}, the model's {target.dtype} "
                            f"{tuple(target.shape)}.")
         tensors[name] = tensor = tensor.to(target.dtype)
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise ApiError(400, f"reload_weights: {name} holds NaN or Inf values (in "
+            raise ApiError(400, f"{name} holds NaN or Inf values (in "
                            f"{target.dtype}).")
         twin = given.setdefault(id(target), (name, tensor))
         if twin[0] != name and not torch.equal(twin[1], tensor):
-            raise ApiError(400, f"reload_weights: {name} and {twin[0]} are one tied weight "
+            raise ApiError(400, f"{name} and {twin[0]} are one tied weight "
                            "of this model but differ in the file.")
     missing = [name for name, target in targets.items()
                if isinstance(target, torch.nn.Parameter) and id(target) not in given]
     if missing:
-        raise ApiError(400, f"reload_weights: {path} lacks {len(missing)} of the model's "
+        raise ApiError(400, f"{path} lacks {len(missing)} of the model's "
                        f"weights, e.g. {missing[0]}.")
     return tensors
+
+
+def copy_weights(targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    """`read_weights`' tensors into the model's own, in place (tied twins are one object)."""
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            targets[name].copy_(tensor)
 
 
 # ---------------------------------------------------------------- sampling
@@ -490,11 +497,13 @@ class Server:
         path = self.text(kwargs, "weights_path") or self.args.model
         allowed = [] if self.lora_root is None else [self.lora_root,
                                                      Path(self.args.model).resolve()]
-        tensors = await asyncio.to_thread(read_weights, path, self.weights, allowed)
+        try:
+            tensors = await asyncio.to_thread(read_weights, path, self.weights, allowed)
+        except ApiError as error:
+            raise ApiError(error.status, f"reload_weights: {error.message}") from error
 
         def apply() -> None:
-            for name, tensor in tensors.items():
-                self.weights[name].copy_(tensor)
+            copy_weights(self.weights, tensors)
             self.engine.reset_prefix_cache()
 
         await asyncio.wrap_future(self.engine.between_steps(apply))

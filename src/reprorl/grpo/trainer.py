@@ -176,11 +176,8 @@ def load_full_into(model, directory: Path) -> None:
     try:
         tensors = embedded_server.read_weights(str(directory), targets, [])
     except embedded_server.ApiError as error:
-        raise ValueError(f"checkpoint {directory}: "
-                         f"{error.message.removeprefix('reload_weights: ')}") from error
-    with torch.no_grad():
-        for name, tensor in tensors.items():
-            targets[name].copy_(tensor)
+        raise ValueError(f"checkpoint {directory}: {error.message}") from error
+    embedded_server.copy_weights(targets, tensors)
 
 
 def refuse_full_with_adapter(model, peft_config, lora_path) -> None:
@@ -477,16 +474,16 @@ class AsyncGRPOTrainer:
         top = args.num_sampler_logprobs if args.score_centering else 1
         run.batcher = TokenBudgetBatcher(token_budget, args.per_device_train_batch_size, top,
                                          self.tokenizer.pad_token_id or 0)
-        check = args.weight_sync_check
-        check = (self._sync_check(admin) if check or (check is None and not args.embedded_server)
-                 else None)
+        wanted = args.weight_sync_check
+        check = (self._sync_check(admin)
+                 if wanted or (wanted is None and not args.embedded_server) else None)
         if args.use_peft:  # named policy-<tag>: this train() call's, the worker's too
             run.weights = AdapterVersions(
                 admin, self.lora_dir, f"{LORA_NAME}-{secrets.token_hex(4)}",
                 args.max_staleness + 1, run.version, self._export_policy, check)
         else:
-            run.weights = MergedVersions(admin, self.lora_dir, self.model_path, self.model_path,
-                                         run.version, self._export_policy, check)
+            run.weights = MergedVersions(admin, self.lora_dir, self.model_path, run.version,
+                                         self._export_policy, check)
         current = run.version.value
         for version, source in self._scheduled_versions(run.checkpoint):
             run.weights.publish(version, source)  # a resumed fixed schedule's older versions
@@ -575,6 +572,11 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------ weights and checkpoints
 
+    @property
+    def policy_folder(self) -> str:
+        """A checkpoint's folder of the trained weights: `adapter` (PEFT) or `model` (full)."""
+        return "adapter" if self.args.use_peft else "model"
+
     def _export_policy(self, directory: Path) -> None:
         """The trained weights as the server loads them: a PEFT adapter, or full weights."""
         if self.args.use_peft:
@@ -610,7 +612,7 @@ class AsyncGRPOTrainer:
         run.saved = (run.global_step, run.version.value)
         directory = self.output_dir / f"checkpoint-{run.global_step}"
         with atomic_directory(directory) as scratch:
-            self._export_policy(scratch / ("adapter" if self.args.use_peft else "model"))
+            self._export_policy(scratch / self.policy_folder)
             for version, _ in self._scheduled_versions(directory):  # the files as served
                 name = f"v{version}"
                 shutil.copytree(self.lora_dir / name, scratch / "versions" / name)
@@ -640,10 +642,8 @@ class AsyncGRPOTrainer:
 
     def _restore(self, checkpoint: Path, optimizer) -> dict:
         """Policy, optimizer and RNG from `checkpoint`; returns the run's counters."""
-        if self.args.use_peft:
-            lora.load_peft_into(self.model, checkpoint / "adapter")
-        else:
-            load_full_into(self.model, checkpoint / "model")
+        load = lora.load_peft_into if self.args.use_peft else load_full_into
+        load(self.model, checkpoint / self.policy_folder)
         saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])

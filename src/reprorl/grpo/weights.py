@@ -93,25 +93,23 @@ class MergedVersions:
     weights (its sampler log-probs are the ones it sampled with, which the importance ratio
     reads), and its samples keep the version they started under, so their staleness counts from
     the oldest weights that made them. A version's files are deleted one publish later, as
-    `AdapterVersions` does. The server must serve the model under `served`, the trainer's
-    model path (vLLM's default name for `--model` that path). `close()` reloads `base_path`
-    (that path again) once any reload was asked for, even one that failed half-way, so a
-    long-lived server shared with other runs serves what it served before.
+    `AdapterVersions` does. The server must serve the model under `model_path`, the
+    trainer's (vLLM's default name for `--model` that path). `close()` reloads `model_path`
+    once any reload was asked for, even one that failed half-way, so a long-lived server shared
+    with other runs serves what it served before.
     """
 
     name = None  # no adapter name: the worker samples the model's own name
 
-    def __init__(self, admin, directory: Path, served: str, base_path: str, version, export,
-                 check=None):
-        self.admin, self.directory = admin, Path(directory)
-        self.served, self.base_path = served, base_path
+    def __init__(self, admin, directory: Path, model_path: str, version, export, check=None):
+        self.admin, self.directory, self.model_path = admin, Path(directory), model_path
         self.version, self.export, self.check = version, export, check
         self.current: int | None = None  # the version whose files the server was given last
         self.retired: list[int] = []
         self.changed = False  # a reload was asked for: close() must put the base back
 
     def adapter_name(self, version: int) -> str:
-        return self.served
+        return self.model_path
 
     def publish(self, version: int, source: Path | None = None) -> tuple[float, float]:
         """Make `version` (the policy's weights now) the served policy; returns (transfer
@@ -130,7 +128,7 @@ class MergedVersions:
         self.admin.reload_weights(str(directory.resolve()))
         transfer_s = time.monotonic() - started
         if self.check is not None:
-            self.check(self.served)
+            self.check(self.model_path)
         self.version.value = version
         return transfer_s, time.monotonic() - started
 
@@ -140,9 +138,9 @@ class MergedVersions:
             return []
         self.changed = False
         try:
-            self.admin.reload_weights(self.base_path)
+            self.admin.reload_weights(self.model_path)
         except (RuntimeError, OSError) as error:  # the server may be gone: go on
-            return [f"reloading the starting weights from {self.base_path}: {error}"]
+            return [f"reloading the starting weights from {self.model_path}: {error}"]
         return []
 
 
