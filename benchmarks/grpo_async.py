@@ -36,7 +36,7 @@ from reprorl import exports, layout
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.metrics import read_windows
-from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset
+from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset, engine_settings
 
 REPORTED = ("perf/rollout_wait_s", "rollout/backpressure_s", "rollout/queue_size",
             "sample/staleness_mean", "rollout/concurrency", "perf/fwd_bwd_s", "perf/step_s",
@@ -49,8 +49,7 @@ ARMS = {"sync": {"synchronous": True, "schedule_lag": None}, "fixed": {},
 
 
 def arm(config: dict, name: str, steps: int, workdir: Path, reward: str, lag: int) -> dict:
-    settings = {k: v for k, v in config["grpo"].items()
-                if k not in ("cut_penalty", "vllm_server_base_url")}
+    settings = engine_settings(config)
     settings.update(max_steps=steps, save_strategy="no", logging_steps=1, disable_tqdm=True,
                     **ARMS[name])
     if name == "fixed" and lag is not None:

@@ -97,7 +97,7 @@ from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.metrics import read_windows
 from reprorl.grpo.rollout import epoch_order
-from reprorl.grpo_run import RubricVerifier, dataset
+from reprorl.grpo_run import RubricVerifier, dataset, engine_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = 'pip install -e ".[bench]"'
@@ -142,8 +142,7 @@ def ordered_rows(config: dict) -> list[dict]:
 
 def shared_settings(config: dict) -> dict:
     """The profile's GRPO settings as AsyncGRPOConfig fields."""
-    settings = {k: v for k, v in config["grpo"].items()
-                if k not in ("cut_penalty", "vllm_server_base_url")}
+    settings = engine_settings(config)
     return {**settings, "dtype": config["model"]["dtype"],
             "max_completion_length": config["limits"]["response_tokens"],
             "embedded_server_max_model_len": config["limits"]["context_tokens"]}

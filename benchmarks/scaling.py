@@ -32,6 +32,7 @@ from pathlib import Path
 from reprorl import config as configuration
 from reprorl import corpus, layout
 from reprorl.grpo.metrics import read_windows
+from reprorl.grpo_run import engine_settings
 
 LENGTHS, WIDTHS = (16, 32, 64, 128), (128, 256, 512, 896)
 DEFAULT_WIDTH, DEFAULT_LENGTH, LAYERS = 256, 64, 6
@@ -75,8 +76,7 @@ def point(profile: dict, width: int, length: int, steps: int, workdir: Path) -> 
     name = f"w{width}-l{length}"
     max_len = profile["limits"]["context_tokens"]
     path = random_model(workdir / name / "model", width, profile["model"]["path"], max_len)
-    settings = {k: v for k, v in profile["grpo"].items()
-                if k not in ("cut_penalty", "vllm_server_base_url")}
+    settings = engine_settings(profile)
     settings.update(max_steps=steps, save_strategy="no", logging_steps=1, disable_tqdm=True,
                     temperature=1.0)
     args = AsyncGRPOConfig(output_dir=str(workdir / name / "run"), embedded_server=True,

@@ -12,6 +12,7 @@ from reprorl.codehash import code_hash
 from reprorl.config import stage_config_json, validate
 from reprorl.errors import ConfigError
 from reprorl.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, threads
+from reprorl.stages import ranks as stage_ranks
 from snakemake.exceptions import WorkflowError
 
 # Snakemake parses --configfile itself (YAML .nan included): validate sees every value. A
@@ -118,18 +119,31 @@ def stage_priority(stage):
 
 
 def stage_params(stage):
-    """The stage a rule runs, its code hash and its config subset (see the top)."""
+    """The stage a rule runs, how it is launched, its code hash and its config subset (see the
+    top)."""
     return {
         "stage": stage,
+        "launcher": stage_launcher(stage),
         "code": code_hash(stage),
         "config": stage_config_json(config, stage),
     }
 
 
+def stage_launcher(stage):
+    """`python`, or for a GRPO run of several trainer ranks (grpo.nproc_per_node) torchrun:
+    rank 0 serves, generates and writes; each rank takes an equal share of the rule's threads.
+    A param, not a shell string built per rule: a rule's shell is formatted when its job runs,
+    after the loops that define the rules have moved on."""
+    ranks = stage_ranks(stage, config)
+    if ranks == 1:
+        return "python"
+    return f"python -m torch.distributed.run --standalone --nproc-per-node {ranks}"
+
+
 # The shell command of every stage rule; the config subset travels as params.config.
 # The first log is the stage's own output (a GRPO run's second holds its timed metrics).
 STAGE_COMMAND = (
-    "python -m reprorl {params.stage} --config-json {params.config:q}"
+    "{params.launcher} -m reprorl {params.stage} --config-json {params.config:q}"
     " --threads {threads} > {log[0]} 2>&1"
 )
 

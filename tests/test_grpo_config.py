@@ -10,6 +10,7 @@ import yaml
 
 import reprorl
 from reprorl.grpo import AsyncGRPOConfig
+from reprorl.grpo_run import PIPELINE_KEYS
 
 SCHEMA = Path(reprorl.__file__).parent / "schemas" / "config.schema.yaml"
 
@@ -57,6 +58,6 @@ def test_pipeline_defaults_differ_from_the_configs_only_where_said():
 
 def test_pipeline_defaults_are_valid_settings():
     settings = {name: spec["default"] for name, spec in grpo_block().items()
-                if name != "cut_penalty" and spec["default"] is not None}
+                if name not in PIPELINE_KEYS and spec["default"] is not None}
     config = AsyncGRPOConfig(output_dir="out", **settings)
     assert config.groups_per_step == 4 and not config.gradient_checkpointing

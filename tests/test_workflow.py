@@ -564,3 +564,26 @@ def test_bad_input_is_refused_cleanly(workflow, case):
                 continue
             path.write_bytes(kept[0])
             os.utime(path, ns=(kept[1], kept[1]))
+
+
+def test_grpo_stages_run_on_two_trainer_ranks(workflow, tmp_path):
+    """`grpo.nproc_per_node: 2` (given as Snakemake users give it, on the command line) reruns
+    the learned-reward GRPO branch under torchrun, each job asking for 2 threads, and its
+    resume check passes: rank 0 writes the stage's files, the interrupt resumes on 2 ranks."""
+    copy = copy_workflow(tmp_path / "wf", origin=workflow,
+                         extra=("data", "assets", "outputs", "logs", ".snakemake"))
+    target = "outputs/learning/grpo_learned/resume-check.json"
+    ranks = ("--config", "grpo={nproc_per_node: 2}")
+    assert planned_rules(copy, target, *ranks) == {
+        f"grpo_learned_{mode}" for mode in MODES}
+    done = run(copy, target, "-p", *ranks)
+    out = done.stdout + done.stderr
+    launches = re.findall(r"torch\.distributed\.run --standalone --nproc-per-node 2 -m reprorl "
+                          r"(grpo_learned_\w+) .* --threads 2 ", out)
+    assert sorted(launches) == sorted(f"grpo_learned_{m}" for m in ("interrupt", "continuous",
+                                                                     "resume"))
+    assert read_json(copy / target)["status"] == "PASS"
+    report = read_json(copy / "outputs/learning/grpo_learned/continuous.json")
+    assert report["steps"] > 0
+    assert read_json(copy / "outputs/manifests/grpo_learned_resume.json")["stage"] == (
+        "grpo_learned_resume")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 from . import config as configuration
@@ -26,7 +27,8 @@ def _log(message: str) -> None:
 def run_stage(name: str, config: dict, threads: int) -> dict:
     import torch
 
-    torch.set_num_threads(threads)
+    # under torchrun (a GRPO run's ranks) the job's threads are shared by its processes
+    torch.set_num_threads(max(1, threads // int(os.environ.get("WORLD_SIZE", "1"))))
     torch.use_deterministic_algorithms(True)
     subset = configuration.stage_config(config, name)
     module = importlib.import_module(f"reprorl.{STAGES[name].module}")

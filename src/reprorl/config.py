@@ -55,10 +55,12 @@ def validate(config: Mapping) -> dict:
                           f" ({HINT})")
     config = copy.deepcopy(dict(config))
     _refuse_non_finite(config)
-    # `snakemake --config seeds=[49,50]` parses the list with YAML's BaseLoader: as strings
+    # `snakemake --config seeds=[49,50]` or `grpo='{nproc_per_node: 2}'` parses the list or
+    # the mapping with YAML's BaseLoader: their numbers arrive as strings
     if isinstance(config.get("seeds"), list):
-        config["seeds"] = [int(s) if isinstance(s, str) and s.isdigit() else s
-                           for s in config["seeds"]]
+        config["seeds"] = [_whole(s) for s in config["seeds"]]
+    if isinstance(config.get("grpo"), dict) and "nproc_per_node" in config["grpo"]:
+        config["grpo"]["nproc_per_node"] = _whole(config["grpo"]["nproc_per_node"])
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(config))
     if error is not None:
@@ -70,6 +72,10 @@ def validate(config: Mapping) -> dict:
     if config["model"]["source"] == "embedded":
         _refuse_impossible_attention(config["model"]["embedded"])
     return config
+
+
+def _whole(value):
+    return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
 def _refuse_non_finite(value, where: tuple = ()) -> None:

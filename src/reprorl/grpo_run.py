@@ -38,6 +38,7 @@ from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final, save_final, verified_final
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from .grpo.distributed import ranks_from_env
 from .grpo.metrics import read_windows, reproducible
 from .manifest import (
     atomic_directory,
@@ -95,6 +96,14 @@ class LearnedReward:
         scores = self.role.score(collate(examples, self.tokenizer.pad_token_id))
         return [float(s) - (0.0 if ids[-1] == eos else self.cut_penalty)
                 for s, ids in zip(scores, completion_ids)]
+
+
+PIPELINE_KEYS = ("cut_penalty", "vllm_server_base_url", "nproc_per_node")  # not the engine's
+
+
+def engine_settings(config: dict) -> dict:
+    """The profile's `grpo` keys that are AsyncGRPOConfig fields."""
+    return {k: v for k, v in config["grpo"].items() if k not in PIPELINE_KEYS}
 
 
 def dataset(run: str) -> list[dict]:
@@ -162,9 +171,11 @@ def restore_checkpoint(state: dict, output_dir: Path) -> Path:
     return checkpoint
 
 
-def train(config: dict, run: str, mode: str, log=print) -> dict:
-    settings, limits = dict(config["grpo"]), config["limits"]
-    cut_penalty, server_url = settings.pop("cut_penalty"), settings.pop("vllm_server_base_url")
+def train(config: dict, run: str, mode: str, log=print) -> dict | None:
+    """The run's `mode`; under torchrun, rank 0 alone reads and writes the stage's files (the
+    other ranks train beside it, then return None)."""
+    settings, limits = engine_settings(config), config["limits"]
+    cut_penalty, server_url, nproc = (config["grpo"][k] for k in PIPELINE_KEYS)
     branch = f"grpo_{run}"
     stage_name = f"{branch}_{mode}"
     output_dir = layout.grpo_output_dir(branch, mode)
@@ -176,8 +187,14 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
     reward_sha256 = verified_final("reward")[1]["sha256"] if run == "learned" else None
     actor, sft_meta = load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
-    refuse_to_overwrite(layout.state(branch, mode))  # inputs are sound: checkpoints are kept
-    shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
+    ranks = ranks_from_env()
+    if ranks.world_size != nproc:
+        raise ReproError(f"{stage_name} runs {ranks.world_size} trainer rank(s) but "
+                         f"grpo.nproc_per_node is {nproc}: launch it as its rule does (torchrun "
+                         f"--nproc-per-node {nproc}), or set grpo.nproc_per_node")
+    if ranks.main:
+        refuse_to_overwrite(layout.state(branch, mode))  # inputs are sound: checkpoints kept
+        shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
     args = AsyncGRPOConfig(
@@ -193,11 +210,14 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
                 "cut_penalty": cut_penalty,
                 "reward_sha256": reward_sha256, "code_sha256": code_hash(f"{branch}_continuous"),
                 "initial_learned": initial}
+    if nproc > 1:  # one rank's identity stays as it was before ranks existed
+        identity["nproc_per_node"] = nproc
     windows, resume_from = [], None
-    if mode == "resume":
+    if mode == "resume" and ranks.main:
         saved = interrupt_state(branch, identity)
         windows = saved["progress"]["history"]
         resume_from = restore_checkpoint(saved, output_dir)
+    resume_from = ranks.share(resume_from)  # the others read it once rank 0 has written it
     # the rule's cores are shared: the embedded server takes its threads, the trainer the rest
     # but at least one (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is
     # slower, 0.92x); the pipeline's one-thread rules thus run a 1-thread trainer beside a
@@ -208,6 +228,8 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from,
                            interrupt_after_step=stop if mode == "interrupt" else None)
+    if not ranks.main:
+        return None
     seconds = time.perf_counter() - started
     reached = result.global_step == stop  # fewer: the run ended first (empty blocks)
     if mode == "interrupt" and not reached:
@@ -264,6 +286,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict:
 def stage(name: str, config: dict, run, log=print) -> dict:
     branch_run, mode = name.removeprefix("grpo_").rsplit("_", 1)
     summary = train(config, branch_run, mode, log)
+    if summary is None:  # a torchrun rank other than 0: rank 0 writes the manifest
+        run.leave_to_another_process()
+        return {"rank": ranks_from_env().rank}
     run.finish(
         summary={k: summary[k] for k in ("run", "mode", "steps", "first_windows",
                                          "last_windows")},

@@ -338,6 +338,11 @@ class StageRun:
         write_json(layout.manifest(self.stage), self.manifest)
         return self.manifest
 
+    def leave_to_another_process(self) -> None:
+        """This process ran part of the stage (a torchrun rank other than 0); the process
+        that writes the outputs writes the manifest."""
+        self.manifest = {}
+
     def __exit__(self, kind, value, traceback) -> None:
         if kind is None and self.manifest is None:
             raise ReproError(f"stage {self.stage} ended without writing its manifest")

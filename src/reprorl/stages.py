@@ -65,5 +65,13 @@ def resumable(stage: str) -> tuple[str, str] | None:
 
 
 def threads(stage: str, config: dict) -> int:
-    """Torch threads of `stage`: pretraining the embedded base takes `pretrain_threads`."""
-    return config["pretrain_threads"] if stage == "base_model" else STAGES[stage].threads
+    """Threads of `stage`'s job: pretraining the embedded base takes `pretrain_threads`; a
+    GRPO run, its threads per trainer rank times its ranks."""
+    if stage == "base_model":
+        return config["pretrain_threads"]
+    return STAGES[stage].threads * ranks(stage, config)
+
+
+def ranks(stage: str, config: dict) -> int:
+    """Trainer processes of `stage`: a GRPO run's torchrun ranks (grpo.nproc_per_node)."""
+    return config["grpo"]["nproc_per_node"] if STAGES[stage].module == "grpo_run" else 1

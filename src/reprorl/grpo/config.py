@@ -1,8 +1,9 @@
 """`AsyncGRPOConfig`: the seed's field names and defaults, each with a one-line help.
 
 Only the fields this engine reads are declared (TRL's class also carries every
-`TrainingArguments` field). Left out on purpose: the multi-device fields
-(`average_tokens_across_devices`, DDP/FSDP), MoE's `router_aux_loss_coef`, evaluation, hub and
+`TrainingArguments` field); under `torchrun` the ranks train with DDP (`distributed.py`), which
+reads `average_tokens_across_devices`, `ddp_backend` and `ddp_timeout`. Left out on purpose:
+FSDP's fields, MoE's `router_aux_loss_coef`, evaluation, hub and
 `report_to` (metrics go to JSONL and the console), `lr_scheduler_kwargs` (the two schedules
 here take none). Departures: `bf16=None` means "mixed precision on a CUDA trainer", which this
 CPU engine never is (the seed turns bf16 on unless fp16); `ignore_data_skip` can only be True,
@@ -42,6 +43,12 @@ class AsyncGRPOConfig:
     per_device_train_batch_size: int = option(
         8, "Packed rows per micro-batch; token_budget decides how many samples a row holds.")
     gradient_accumulation_steps: int = option(1, "Micro-batches per optimizer step.")
+    average_tokens_across_devices: bool = option(
+        True, "Across ranks, divide a micro-batch's loss by the trained tokens of all ranks.")
+    ddp_backend: str | None = option(
+        None, "torch.distributed backend under torchrun (None: nccl with CUDA, else gloo).")
+    ddp_timeout: int = option(
+        1800, "Seconds a rank may wait for the others in a collective (rank 0's rollouts).")
     num_train_epochs: float = option(
         3.0, "Passes over the prompts, counted in distinct prompts consumed.")
     max_steps: int = option(
@@ -183,6 +190,8 @@ class AsyncGRPOConfig:
     def _choice_problems(self):
         if self.dtype not in DTYPES:
             yield f"dtype must be one of {DTYPES}"
+        if self.ddp_backend not in (None, "gloo", "nccl"):
+            yield "ddp_backend must be None, 'gloo' (CPU tensors) or 'nccl' (CUDA tensors)"
         if self.train_sampling_strategy not in ("random", "sequential"):
             yield "train_sampling_strategy must be 'random' or 'sequential'"
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
@@ -237,6 +246,7 @@ class AsyncGRPOConfig:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps",
                      "weight_sync_steps", "max_concurrent_rollouts", "max_completion_length",
                      "embedded_server_threads", "embedded_server_max_num_seqs", "lora_rank",
+                     "ddp_timeout",
                      "token_budget", "embedded_server_max_model_len", "save_total_limit",
                      "groups_per_step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:

@@ -28,6 +28,7 @@ RESUMABLE_CHANGES = frozenset({
     "rollout_worker_timeout", "vllm_max_retries", "max_concurrent_rollouts",
     "embedded_server", "embedded_server_threads", "embedded_server_max_num_seqs",
     "gradient_checkpointing", "vllm_request_timeout", "reward_timeout", "stall_timeout",
+    "ddp_backend", "ddp_timeout",
     "vllm_server_api_key"})  # a secret: never written into a checkpoint
 
 
@@ -53,8 +54,9 @@ def _config_fingerprint(settings: dict) -> dict:
     return json.loads(json.dumps(settings, sort_keys=True, default=_settings_like))
 
 
-def run_identity(args: AsyncGRPOConfig, rows: list[dict]) -> dict:
-    """What a resumed run must share with the checkpoint it continues."""
+def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1) -> dict:
+    """What a resumed run must share with the checkpoint it continues; `world_size`, the
+    trainer ranks, when more than one (a step's micro-batches are dealt to them)."""
     settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES}
     if args.lr_scheduler_type == "linear" or 0 < args.warmup_steps < 1:
         settings["max_steps"] = args.max_steps  # the schedule is a function of it
@@ -63,8 +65,11 @@ def run_identity(args: AsyncGRPOConfig, rows: list[dict]) -> dict:
     except TypeError as error:
         raise ValueError(f"train_dataset cannot be fingerprinted for checkpoints ({error}): "
                          "keep its columns JSON-like (str, numbers, lists, dicts)") from error
-    return {"config": _config_fingerprint(settings), "dataset_rows": len(rows),
-            "dataset_sha256": hashlib.sha256(data).hexdigest()}
+    identity = {"config": _config_fingerprint(settings), "dataset_rows": len(rows),
+                "dataset_sha256": hashlib.sha256(data).hexdigest()}
+    if world_size > 1:  # one rank adds no key: its checkpoints stay as before ranks existed
+        identity["world_size"] = world_size
+    return identity
 
 
 def refuse_other_run(checkpoint: Path, state: dict, identity: dict,
@@ -80,6 +85,12 @@ def refuse_other_run(checkpoint: Path, state: dict, identity: dict,
                          f" rows; this dataset has {identity['dataset_rows']} and another "
                          "sha256): resume with the same train_dataset, or train in a fresh "
                          "output_dir")
+    if state.get("world_size", 1) != identity.get("world_size", 1):
+        raise ValueError(f"{checkpoint} was trained by {state.get('world_size', 1)} rank(s), "
+                         f"this run has {identity.get('world_size', 1)}: a step's micro-"
+                         "batches are dealt to the ranks, so resume with torchrun "
+                         f"--nproc-per-node {state.get('world_size', 1)}, or train in a "
+                         "fresh output_dir")
     # a field one side lacks (a release added it) counts at its default
     defaults = _config_fingerprint({f.name: f.default for f in dataclasses.fields(args)
                                     if f.default is not dataclasses.MISSING})

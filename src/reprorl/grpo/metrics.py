@@ -58,8 +58,14 @@ class MetricsWindow:
     def add_rate(self, name: str, amount: float, seconds: float) -> None:
         self.rates[name].append((float(amount), float(seconds)))
 
+    def records(self) -> list[tuple]:
+        """What this window holds, as `merge` takes it (another rank's part of a step)."""
+        return [*(("value", name, v) for name, values in self.values.items() for v in values),
+                *(("rate", name, pair) for name, pairs in self.rates.items() for pair in pairs)]
+
     def merge(self, items) -> None:
-        """Records shipped from the rollout worker: ("value"|"rate", name, payload)."""
+        """Records shipped from the rollout worker or another rank: ("value"|"rate", name,
+        payload)."""
         for kind, name, payload in items:
             if kind == "rate":
                 self.add_rate(name, *payload)

@@ -12,17 +12,20 @@ version under `<output_dir>/.vllm_lora/v<N>/`: a LoRA policy as a PEFT adapter l
 (`use_peft=False`) as full weights reloaded in place, one version served (`MergedVersions`).
 The parts: `SampleQueue` (micro-batches off the worker's queue), `PositionLedger` (the resume
 cursor), `WorkerHandle` / `ServerProcess` (the child processes), `AdapterVersions` /
-`MergedVersions` (weight versions); the per-run state is one `TrainingRun`.
+`MergedVersions` (weight versions), `Ranks` (`distributed.py`: under torchrun, rank 0 runs all
+of the above and deals each step's micro-batches to the other ranks, which train beside it
+with DDP); the per-run state is one `TrainingRun`.
 
 Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of
 `lora_rank` unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter
-(TRL merges it unless vLLM runs `--enable-lora`); one training process; no callbacks, hub or
-optimizer overrides; tools and environments arrive with a later release (`generate_one` is
-where they plug in). Free-running, the resume cursor also lists the positions already
-consumed beyond it, so a resumed worker neither skips nor replays a prompt; on a fixed schedule
-the cursor is the next block's first position, and every later position is generated again
-(seeded by its place, by the version the schedule names), so a checkpoint never depends on which
-groups happened to have arrived.
+(TRL merges it unless vLLM runs `--enable-lora`); DDP across ranks, not FSDP2; no callbacks,
+hub or optimizer overrides; tools and environments arrive with a later release (`generate_one`
+is where they plug in); a free-running step takes all its micro-batches before its first
+forward (they are dealt to the ranks at once). Free-running, the resume cursor also lists the
+positions already consumed beyond it, so a resumed worker neither skips nor replays a prompt;
+on a fixed schedule the cursor is the next block's first position, and every later position
+is generated again (seeded by its place, by the version the schedule names), so a checkpoint
+never depends on which groups happened to have arrived.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ from . import server as embedded_server  # started by module name; imported for 
 from .batching import MicroBatch, TokenBudgetBatcher
 from .client import ServerAdmin
 from .config import AsyncGRPOConfig
+from .distributed import (
+    Abort,
+    Finished,
+    LeaderFailed,
+    RankReport,
+    Setup,
+    deal,
+    ranks_from_env,
+    slot_trained_tokens,
+    slots,
+)
 from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
 from .loss import (
@@ -204,10 +218,11 @@ def load_policy(model, args: AsyncGRPOConfig):
         model, local_files_only=True, trust_remote_code=args.trust_remote_code, **kwargs), model
 
 
-def kept_logits(model, batch: MicroBatch) -> torch.Tensor:
+def kept_logits(model, batch: MicroBatch, forward=None) -> torch.Tensor:
     """The logits the loss reads, (sum of R * N over the forwards, V): each forward's kept
-    positions, forward after forward (`batch.index` counts in that order)."""
-    return torch.cat([model(
+    positions, forward after forward (`batch.index` counts in that order). `forward`: the
+    module to call (DDP's wrapper across ranks), `model` by default."""
+    return torch.cat([(forward or model)(
         input_ids=f.input_ids, attention_mask=mask_for(model, f.attention_mask),
         position_ids=f.position_ids, use_cache=False, logits_to_keep=f.keep,
     ).logits.flatten(0, 1) for f in batch.forwards])
@@ -229,14 +244,16 @@ def sequence_logprobs(model, args: AsyncGRPOConfig, prompt_ids: list[int],
     return scores.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch
+def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
+                    trained_tokens: int | None = None, forward=None
                     ) -> tuple[torch.Tensor, dict]:
-    """The micro-batch's loss (`loss.py`, token mean over its trained tokens) and the seed's
-    sampling metrics. The forwards run on the batch's layout (tree rows, or padded rows); their
-    kept logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every
-    per-token quantity below is computed per trained token, whatever the layout."""
+    """The micro-batch's loss (`loss.py`: its trained tokens' terms summed, divided by their
+    count, or by `trained_tokens`, those of its slot on every rank) and the seed's sampling
+    metrics. The forwards run on the batch's layout (tree rows, or padded rows); their kept
+    logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every per-token
+    quantity below is computed per trained token, whatever the layout."""
     with autocast_for(args):
-        logits = kept_logits(model, batch)
+        logits = kept_logits(model, batch, forward)
     # log_softmax on the kept positions once, then one copy per column that reads them
     scores = (logits.float() / args.temperature).log_softmax(-1)[batch.index]
     logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
@@ -253,7 +270,9 @@ def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch
                                            args.epsilon, args.epsilon_high)
     with torch.no_grad():
         stats = loss_stats(args, batch, scores, logp.detach(), ratio, keep)
-    return token_mean(per_token, batch.trained), stats
+    if trained_tokens is None:
+        return token_mean(per_token, batch.trained), stats
+    return (per_token * batch.trained).sum() / max(trained_tokens, 1), stats
 
 
 def loss_stats(args: AsyncGRPOConfig, batch: MicroBatch, scores, logp, ratio,
@@ -328,11 +347,13 @@ class TrainingRun:
 
 @dataclass
 class Step:
-    """One optimizer step's micro-batches, added up for the ledger and the metrics."""
+    """One optimizer step's micro-batches, added up (over every rank) for the ledger and the
+    metrics."""
 
     samples: list[Sample] = field(default_factory=list)
     loss: float = 0.0
     microbatches: int = 0
+    slots: int = 0  # micro-batches per rank, the busiest's: the gradient is a mean over them
     forwarded_tokens: int = 0  # what the rows forwarded (padding included, if any)
     sample_tokens: int = 0  # what the samples held in the queue: sets the next allowance
     fwd_s: float = 0.0
@@ -342,12 +363,6 @@ class Step:
     learning_rate: float = 0.0
     optimizer_s: float = 0.0
     sync_s: float | None = None  # None: no weight sync after this step
-
-    def add(self, samples: list[Sample], batch: MicroBatch) -> None:
-        self.samples += samples
-        self.microbatches += 1
-        self.forwarded_tokens += batch.forwarded_tokens
-        self.sample_tokens += sum(s.tokens for s in samples)
 
 
 class AsyncGRPOTrainer:
@@ -368,8 +383,11 @@ class AsyncGRPOTrainer:
             [reward_funcs] if reward_funcs is not None else [])
         self.rows = as_rows(train_dataset)
         self.log = log
+        # under torchrun: this process's rank, in the group it joins here (distributed.py)
+        self.ranks = ranks_from_env(self.args.ddp_backend, self.args.ddp_timeout)
         model, self.model_path = load_policy(model, self.args)
         self.model = model.eval()
+        self.forward_model = self.model  # what the loss calls: DDP's wrapper while training
         if processing_class is None:
             from transformers import AutoTokenizer
 
@@ -397,6 +415,7 @@ class AsyncGRPOTrainer:
         self.server: ServerProcess | None = None  # while train() runs an embedded server
         self.worker: WorkerHandle | None = None  # while train() runs the rollout worker
         self.run: TrainingRun | None = None  # the latest train() call's state
+        self._others_wait = True  # rank 0: whether the other ranks wait for its next message
 
     # ------------------------------------------------------------ set-up
 
@@ -423,7 +442,7 @@ class AsyncGRPOTrainer:
             parameters, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay,
             fused=args.optim == "adamw_torch_fused")
-        identity = run_identity(args, self.rows)  # once: the rows do not change
+        identity = run_identity(args, self.rows, self.ranks.world_size)  # the rows stay
         logging_every = args.steps_of("logging_steps")
         save_every = args.steps_of("save_steps") if args.save_strategy == "steps" else 0
         end = math.ceil(args.num_train_epochs * len(self.rows)) if args.max_steps <= 0 else None
@@ -441,9 +460,9 @@ class AsyncGRPOTrainer:
         run = TrainingRun(optimizer, identity, ledger,
                           mp.get_context("spawn").RawValue("q", version),
                           MetricsLog(self.output_dir / "metrics.jsonl",
-                                     resume=checkpoint is not None),
+                                     resume=checkpoint is not None) if self.ranks.main else None,
                           logging_every, save_every, checkpoint, **counters)
-        if checkpoint is not None:
+        if checkpoint is not None and self.ranks.main:
             run.saved = (run.global_step, version)
             self.log(f"resumed from {checkpoint}: step {run.global_step}, next prompt "
                      f"{ledger.cursor}, version {version}")
@@ -470,10 +489,10 @@ class AsyncGRPOTrainer:
         if not args.embedded_server:  # a server started by somebody else: can it hold us?
             refuse_unfit_server(admin.base_url, admin.metrics(),
                                 args.max_staleness + 2 if args.use_peft else 0)
-        token_budget = args.token_budget or admin.max_model_len()
-        top = args.num_sampler_logprobs if args.score_centering else 1
-        run.batcher = TokenBudgetBatcher(token_budget, args.per_device_train_batch_size, top,
-                                         self.tokenizer.pad_token_id or 0)
+        setup = Setup(args.token_budget or admin.max_model_len(),
+                      args.num_sampler_logprobs if args.score_centering else 1)
+        run.batcher = self._batcher(setup)
+        self.ranks.share(setup)
         wanted = args.weight_sync_check
         check = (self._sync_check(admin)
                  if wanted or (wanted is None and not args.embedded_server) else None)
@@ -489,6 +508,10 @@ class AsyncGRPOTrainer:
             run.weights.publish(version, source)  # a resumed fixed schedule's older versions
         self._sync(current)  # cold: the server serves this policy before any rollout
         self._spawn_worker(run)
+
+    def _batcher(self, setup: Setup) -> TokenBudgetBatcher:
+        return TokenBudgetBatcher(setup.token_budget, self.args.per_device_train_batch_size,
+                                  setup.top_k, self.tokenizer.pad_token_id or 0)
 
     def _embedded_server(self) -> ServerProcess:
         args = self.args
@@ -652,8 +675,9 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------ the loss
 
-    def _loss(self, batch: MicroBatch) -> tuple[torch.Tensor, dict]:
-        return microbatch_loss(self.model, self.args, batch)
+    def _loss(self, batch: MicroBatch, trained_tokens: int | None = None
+              ) -> tuple[torch.Tensor, dict]:
+        return microbatch_loss(self.model, self.args, batch, trained_tokens, self.forward_model)
 
     def _learning_rate(self, step: int) -> float:
         args = self.args
@@ -688,6 +712,27 @@ class AsyncGRPOTrainer:
         disable_dropout(self.model)
         checkpointing(self.model, args.gradient_checkpointing)
         self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
+        self.forward_model = self.ranks.wrap(self.model)  # every rank: DDP syncs them here
+        try:
+            if self.ranks.main:
+                self._lead()
+            else:
+                self._follow()
+        finally:
+            self._stop_processes()
+            self.forward_model = self.model
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+            checkpointing(self.model, model_state[1])  # the caller's model as it was given
+            self.model.train(model_state[0])
+        mean_loss = run.loss_sum / max(1, run.global_step)
+        return TrainOutput(run.global_step, mean_loss, {"train_loss": mean_loss})
+
+    def _lead(self) -> None:
+        """Rank 0 (the only rank without torchrun): the processes, the steps, the final
+        checkpoint. The other ranks, waiting for a message when this fails, are told why."""
+        run, args = self.run, self.args
+        self._others_wait = True  # False from a step's micro-batches to its optimizer step
         try:
             self._start_processes(run)
             try:
@@ -703,14 +748,30 @@ class AsyncGRPOTrainer:
                 shutil.rmtree(self.output_dir / f"checkpoint-{run.global_step}",
                               ignore_errors=True)  # this run's own, from before those blocks
                 self._save_checkpoint()
-        finally:
-            self._stop_processes()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            checkpointing(self.model, model_state[1])  # the caller's model as it was given
-            self.model.train(model_state[0])
-        mean_loss = run.loss_sum / max(1, run.global_step)
-        return TrainOutput(run.global_step, mean_loss, {"train_loss": mean_loss})
+        except BaseException as error:
+            if self.ranks.distributed and self._others_wait:
+                try:
+                    self.ranks.share(Abort(f"{type(error).__name__}: {error}"))
+                except RuntimeError as lost:  # they are gone already: the error stands
+                    self.log(f"warning: the other ranks were not told: {lost}")
+            raise
+        self.ranks.share(Finished(run.loss_sum))
+
+    def _follow(self) -> None:
+        """A rank other than 0: trains on the micro-batches rank 0 deals it, step by step."""
+        run = self.run
+        run.batcher = self._batcher(self._message())
+        while not isinstance(message := self._message(), Finished):
+            step = Step(microbatches=len(message))
+            self._train_on(step, message)
+            self._optimizer_step(step)
+        run.loss_sum = message.loss_sum  # the step losses rank 0 added up over every rank
+
+    def _message(self):
+        message = self.ranks.share()
+        if isinstance(message, Abort):
+            raise LeaderFailed(f"rank 0 stopped the run: {message.reason}")
+        return message
 
     def _loop(self) -> None:
         """Optimizer steps until max_steps, or until the epochs' prompts are all consumed. A
@@ -754,38 +815,85 @@ class AsyncGRPOTrainer:
             self._log_window([])
 
     def _accumulate(self, first: int | None = None, last: int | None = None) -> Step:
-        """Up to `gradient_accumulation_steps` micro-batches, each forwarded and backwarded;
-        a fixed schedule's step: those of the positions [first, last)."""
-        run, accumulation = self.run, self.args.gradient_accumulation_steps
-        step = Step()
+        """The step's micro-batches off the queue, trained on by every rank: up to
+        `gradient_accumulation_steps` per rank; a fixed schedule's step: those of the
+        positions [first, last). All are taken before the first forward (the other ranks get
+        theirs at once), so the queue's waits come first."""
+        run, ranks = self.run, self.ranks
         if first is None:
-            batches = itertools.islice(
-                iter(lambda: run.samples.next_microbatch(run.batcher), []), accumulation)
+            batches = list(itertools.islice(
+                iter(lambda: run.samples.next_microbatch(run.batcher), []),
+                self.args.gradient_accumulation_steps * ranks.world_size))
         else:
             batches = run.samples.next_block(first, last, run.batcher)
-        for samples in batches:
+        step = Step([s for samples in batches for s in samples], microbatches=len(batches),
+                    wait_s=run.samples.take_wait_s())
+        step.sample_tokens = sum(s.tokens for s in step.samples)
+        if batches:
+            self._others_wait = False
+            ranks.share(batches)
+            self._train_on(step, batches)
+            self._record_samples(step.samples)
+        return step
+
+    def _train_on(self, step: Step, batches: list[list[Sample]]) -> None:
+        """This rank's micro-batches of the step (all of them on one rank): forward and
+        backward, loss and metrics; across ranks, rank 0 adds every rank's report to `step`.
+        DDP all-reduces in each rank's last backward only (`no_sync` before it)."""
+        run, args, ranks = self.run, self.args, self.ranks
+        local, step.slots = deal(batches, ranks.world_size, ranks.rank), slots(
+            batches, ranks.world_size)
+        across = ranks.distributed and args.average_tokens_across_devices
+        # across ranks, each slot's loss divides by its trained tokens on every rank, and the
+        # ranks' gradients are summed: DDP averages them, so each rank's term is scaled by N
+        denominators = (slot_trained_tokens(batches, ranks.world_size) if across
+                        else [None] * step.slots)
+        report = RankReport(0.0, 0, 0)
+        for k, samples in enumerate(local):
             started = time.monotonic()
             batch = run.batcher.collate(samples)
-            loss, stats = self._loss(batch)
-            step.fwd_s += time.monotonic() - started
-            (loss / accumulation).backward()
+            syncing = not ranks.distributed or k == len(local) - 1
+            with contextlib.nullcontext() if syncing else self.forward_model.no_sync():
+                loss, stats = self._loss(batch, denominators[k])
+                step.fwd_s += time.monotonic() - started
+                scaled = loss * ranks.world_size if across else loss
+                (scaled / args.gradient_accumulation_steps).backward()
             step.fwd_bwd_s += time.monotonic() - started
-            step.loss += float(loss.detach()) / accumulation
+            report.loss += float(loss.detach()) / args.gradient_accumulation_steps
+            report.forwarded_tokens += batch.forwarded_tokens
+            report.real_tokens += batch.real_tokens
             for name, values in stats.items():
                 run.window.extend(name, values)
-            step.add(samples, batch)
-            run.num_tokens += batch.real_tokens
-            self._record_microbatch(samples, batch)
-        step.wait_s = run.samples.take_wait_s()
-        return step
+            record_rows(run.window, batch, run.batcher.token_budget)
+        if not local:
+            self._idle_backward()
+        if ranks.distributed and not ranks.main:  # this rank's records go to rank 0's window
+            report.records = run.window.records()
+            run.window.clear()
+        reports = ranks.gather(report)
+        if ranks.main:
+            losses = [r.loss for r in reports]
+            step.loss = sum(losses) if across or not ranks.distributed else (
+                sum(losses) / ranks.world_size)  # DDP's mean of the ranks' token means
+            step.forwarded_tokens = sum(r.forwarded_tokens for r in reports)
+            run.num_tokens += sum(r.real_tokens for r in reports)
+            for other in reports[1:]:
+                run.window.merge(other.records)
+
+    def _idle_backward(self) -> None:
+        """A rank dealt no micro-batch this step joins DDP's all-reduce with a zero
+        gradient: one pad token forwarded, its logits times 0."""
+        ids = torch.tensor([[self.run.batcher.pad_id]])
+        logits = self.forward_model(input_ids=ids, use_cache=False).logits
+        (logits.sum() * 0.0).backward()
 
     def _optimizer_step(self, step: Step) -> None:
         """Clip and apply the accumulated gradients. A step of another number of micro-batches
         than asked (the epoch's end; a fixed schedule's block, thinned by dropped groups or cut
         finer by the token budget) is a mean over its own: gradients and loss are rescaled."""
         run, args = self.run, self.args
-        if step.microbatches != args.gradient_accumulation_steps:
-            scale = args.gradient_accumulation_steps / step.microbatches
+        if step.slots != args.gradient_accumulation_steps:
+            scale = args.gradient_accumulation_steps / step.slots
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(scale)
@@ -807,10 +915,11 @@ class AsyncGRPOTrainer:
         step.grad_norm, step.learning_rate = float(grad_norm), run.optimizer.param_groups[0]["lr"]
         run.global_step += 1
         run.loss_sum += step.loss
+        self._others_wait = True
 
     # ------------------------------------------------------------ metrics
 
-    def _record_microbatch(self, samples: list[Sample], batch: MicroBatch) -> None:
+    def _record_samples(self, samples: list[Sample]) -> None:
         w, now = self.run.window, time.time()
         for s in samples:
             staleness = self.run.version.value - s.model_version
@@ -825,7 +934,6 @@ class AsyncGRPOTrainer:
             for name, value in s.rewards_by_func.items():
                 w.add(f"rewards/{name}/mean", value)
                 w.add(f"rewards/{name}/group_std", s.group_std_by_func[name])
-        record_rows(w, batch, self.run.batcher.token_budget)
 
     def _record_step(self, step: Step, step_s: float) -> None:
         w = self.run.window

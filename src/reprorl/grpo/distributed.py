@@ -1,0 +1,155 @@
+"""Training across ranks with `torch.distributed`: DDP, launched by `torchrun`.
+
+`torchrun --nproc-per-node N script.py` starts N trainer processes (ranks), each holding the
+whole policy. DDP all-reduces their gradients, so every rank steps the same AdamW on the same
+gradient and the copies stay equal. Rank 0 alone owns the rollout worker, the server
+connection, weight sync, checkpoints and metrics. Each optimizer step it takes the step's
+micro-batches off the queue (N times what one rank takes) and sends them to every rank in one
+pickled broadcast (`Ranks.share`); micro-batch i is rank i % N's, in accumulation slot i // N
+(`deal`). The loss of slot k is normalised by the trained tokens of slot k's micro-batches on
+every rank (`average_tokens_across_devices`, the seed's rule), so N ranks compute the gradient
+one rank computes when each slot's micro-batches are one (tests/test_grpo_ranks.py).
+
+Messages from rank 0, in order: a `Setup` once the server answers (the batcher's budget), then
+per step the step's micro-batches (a list of sample lists), and at the end `Finished`, or
+`Abort` when rank 0 failed while the others waited for it. Collectives per step: that
+broadcast, DDP's all-reduce in the last backward, and a gather of each rank's loss, token
+counts and metric records (`RankReport`) to rank 0, which logs them.
+
+Departures from the seed (TRL: accelerate with FSDP2): DDP, so each rank holds a full copy
+(FSDP2 shards the trained weights; a LoRA's are small, and at the tiny default nothing needs
+sharding); micro-batches go to ranks round-robin in queue order, not balanced by cost; a rank
+dealt no micro-batch in a step (fewer micro-batches than ranks) forwards one pad token with a
+zero loss, so that DDP's all-reduce still hears from every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Setup:
+    """What the other ranks need before the first step, known once the server answers."""
+
+    token_budget: int
+    top_k: int
+
+
+@dataclass
+class Finished:
+    loss_sum: float  # the run's summed step losses, as rank 0 logged them
+
+
+@dataclass
+class Abort:
+    reason: str  # rank 0's error
+
+
+class LeaderFailed(RuntimeError):
+    """Raised on the other ranks when rank 0 failed (its error in the message)."""
+
+
+@dataclass
+class RankReport:
+    """One rank's part of a step, gathered to rank 0."""
+
+    loss: float  # its micro-batches' loss terms, as they entered the gradient (before DDP)
+    forwarded_tokens: int
+    real_tokens: int
+    records: list = field(default_factory=list)  # ("value"|"rate", name, payload)
+
+
+@dataclass
+class Ranks:
+    """This process's place among the trainer ranks (one rank, rank 0 of 1, without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def share(self, message=None):
+        """Rank 0's `message` on every rank (the others pass nothing)."""
+        if not self.distributed:
+            return message
+        box = [message if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, report) -> list | None:
+        """Every rank's `report` on rank 0, in rank order (None on the others)."""
+        if not self.distributed:
+            return [report]
+        reports = [None] * self.world_size if self.main else None
+        dist.gather_object(report, reports, dst=0)
+        return reports
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def wrap(self, model):
+        """The module the loss forwards through: DDP across ranks, the model itself alone.
+        Buffers are synced once, not at every forward: no rank changes them, and a sync
+        would make every rank forward as often as the others."""
+        if not self.distributed:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, forward_sync_buffers=False)
+
+
+def ranks_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> Ranks:
+    """The ranks `torchrun` started (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment),
+    joining their process group on first use; one rank when none was started."""
+    if not dist.is_available():
+        return Ranks()
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return Ranks()
+        dist.init_process_group(backend or default_backend(),
+                                timeout=timedelta(seconds=timeout_s))
+        atexit.register(_leave)
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def default_backend() -> str:
+    """NCCL where this rank has a CUDA device, gloo otherwise (CPU tensors)."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def deal(batches: list, world_size: int, rank: int) -> list:
+    """`rank`'s micro-batches of a step, in slot order: micro-batch i is rank i % N's."""
+    return batches[rank::world_size]
+
+
+def slots(batches: list, world_size: int) -> int:
+    """Accumulation slots of a step: micro-batches per rank, the busiest rank's."""
+    return math.ceil(len(batches) / world_size)
+
+
+def slot_trained_tokens(batches: list, world_size: int) -> list[int]:
+    """Per slot, the trained tokens of its micro-batches on every rank: the loss's
+    denominator under `average_tokens_across_devices`."""
+    return [sum(sum(s.sequence.trained) for samples in batches[k * world_size:
+                                                                (k + 1) * world_size]
+                for s in samples) for k in range(slots(batches, world_size))]
