@@ -434,3 +434,51 @@ def test_server_limits_read_from_metrics_refuse_what_cannot_hold_the_run():
     with pytest.raises(RuntimeError, match="2 engine cores .*--data-parallel-size 1"):
         refuse_unfit_server("http://s", parse_prometheus(two), 2)
     refuse_unfit_server("http://s", None, 9)  # no /metrics: nothing to judge by
+
+
+# ---------------------------------------------------------------- the trainer's surface
+
+
+def test_reward_models_by_id_or_object_are_refused_up_front():
+    import torch
+
+    from reprorl.grpo.trainer import reward_functions
+
+    assert reward_functions(None) == [] and reward_functions(len) == [len]
+    for given, words in (("trl-lib/reward-model", "the model id 'trl-lib/reward-model'"),
+                         ([len, Path("rm")], "the model id 'rm'"),
+                         (torch.nn.Linear(2, 1), "a Linear model"),
+                         ([3], "a int, which is not callable")):
+        with pytest.raises(TypeError, match=words):
+            reward_functions(given)
+
+
+def test_peft_config_is_honoured_or_refused_field_by_field():
+    from peft import LoraConfig
+
+    from reprorl.grpo.trainer import refuse_unsupported_peft
+
+    refuse_unsupported_peft(None)
+    refuse_unsupported_peft(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    refuse_unsupported_peft(LoraConfig(r=4, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with pytest.raises(ValueError) as refused:
+        refuse_unsupported_peft(LoraConfig(r=4, lora_dropout=0.05, use_rslora=True,
+                                           modules_to_save=["lm_head"]))
+    message = str(refused.value)
+    for field in ("lora_dropout=0.05", "use_rslora=True", "modules_to_save=",
+                  "target_modules=None"):
+        assert field in message, message
+    with pytest.raises(ValueError, match=r"target_modules=\{'q_proj'\}|target_modules=\['q_"):
+        refuse_unsupported_peft(LoraConfig(target_modules=["q_proj"]))
+
+
+def test_no_reward_source_is_refused_at_train_before_any_process(tiny_model, tmp_path):
+    from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path / "out"), embedded_server=True)
+    rows = [{"prompt": [{"role": "user", "content": "q"}]}]
+    trainer = AsyncGRPOTrainer(str(tiny_model), None, args, rows, log=lambda m: None)
+    with pytest.raises(ValueError, match="nothing scores a completion"):
+        trainer.train()
+    assert not (tmp_path / "out").exists() and trainer.server is None

@@ -163,6 +163,61 @@ def as_rows(dataset) -> list[dict]:
     return rows
 
 
+def reward_functions(reward_funcs) -> list:
+    """`reward_funcs` as a list of callables. A model id or a model object is refused: the
+    seed's trainer takes Python callables only (a model behind a picklable callable works,
+    as the pipeline's `LearnedReward` does)."""
+    funcs = reward_funcs if isinstance(reward_funcs, list) else (
+        [reward_funcs] if reward_funcs is not None else [])
+    for func in funcs:
+        if isinstance(func, (str, os.PathLike, torch.nn.Module)):
+            what = f"the model id {str(func)!r}" if isinstance(func, (str, os.PathLike)) else (
+                f"a {type(func).__name__} model")
+            raise TypeError(
+                f"reward_funcs got {what}: reward models are not taken by id or as a model "
+                "(the rollout worker runs on the CPU and imports no model by name); pass a "
+                "picklable callable (prompts, completions, **kwargs) -> list[float] that "
+                "loads and scores with it, or serve the model and call it over HTTP")
+        if not callable(func):
+            raise TypeError(f"reward_funcs got a {type(func).__name__}, which is not callable")
+    return funcs
+
+
+# The LoRA this engine trains (`lora.inject`): PEFT's defaults, on every projection. A
+# peft_config's r and lora_alpha are honoured; any other field must have this value.
+PEFT_AS_TRAINED = {
+    "peft_type": "LORA", "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
+    "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
+    "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+    "alpha_pattern": {}, "fan_in_fan_out": False, "exclude_modules": None,
+    "trainable_token_indices": None, "lora_bias": False, "layer_replication": None,
+    "target_parameters": None, "use_qalora": False,
+}
+
+
+def refuse_unsupported_peft(peft_config) -> None:
+    """Raise ValueError naming each field of `peft_config` (PEFT's LoraConfig) that the
+    engine would not honour; its target_modules must be the seven projections."""
+    if peft_config is None:
+        return
+    problems = []
+    for name, wanted in PEFT_AS_TRAINED.items():
+        value = getattr(peft_config, name, wanted)
+        value = getattr(value, "value", value)  # PeftType.LORA -> "LORA"
+        if (value or None) != (wanted or None) and value != wanted:
+            problems.append(f"{name}={value!r} (supported: {wanted!r})")
+    targets = getattr(peft_config, "target_modules", None)
+    if targets != "all-linear" and (
+            isinstance(targets, str) or set(targets or ()) != set(lora.TARGETS)):
+        problems.append(f"target_modules={targets!r} (supported: 'all-linear' or the seven "
+                        f"projections {list(lora.TARGETS)}; None would let PEFT pick the "
+                        "model type's default, q_proj and v_proj for Qwen2)")
+    if problems:
+        raise ValueError("peft_config: " + "; ".join(problems) + ". This engine trains a LoRA "
+                         "of rank r and lora_alpha on every projection with PEFT's other "
+                         "defaults: drop those fields or set them as said")
+
+
 def lora_settings(model) -> tuple[int, float] | None:
     for module in model.modules():
         if isinstance(module, lora.LoRALinear):
@@ -379,8 +434,7 @@ class AsyncGRPOTrainer:
         if tools or environment_factory:
             raise ValueError("tools and environment_factory are not supported yet: override "
                              "AsyncRolloutLoop.generate_one to run a multi-turn rollout")
-        self.reward_funcs = reward_funcs if isinstance(reward_funcs, list) else (
-            [reward_funcs] if reward_funcs is not None else [])
+        self.reward_funcs = reward_functions(reward_funcs)
         self.rows = as_rows(train_dataset)
         self.log = log
         # under torchrun: this process's rank, in the group it joins here (distributed.py)
@@ -402,6 +456,7 @@ class AsyncGRPOTrainer:
             self.rank = self.alpha = None
         else:
             if lora_settings(model) is None:  # fresh adapter: peft_config, else the config's r
+                refuse_unsupported_peft(peft_config)
                 rank = getattr(peft_config, "r", self.args.lora_rank)
                 alpha = getattr(peft_config, "lora_alpha", self.args.lora_alpha)
                 lora.inject(model, rank, alpha, self.args.seed)
@@ -702,6 +757,13 @@ class AsyncGRPOTrainer:
         if interrupt_after_step is not None and args.save_strategy == "no":
             raise ValueError("interrupt_after_step needs a checkpoint to resume from: "
                              "save_strategy='no' writes none; use save_strategy='steps'")
+        if not self.reward_funcs and (
+                self.loop_cls.generate_one is AsyncRolloutLoop.generate_one):
+            raise ValueError(
+                "nothing scores a completion: reward_funcs is empty and the rollout loop "
+                f"({self.loop_cls.__name__}) generates with AsyncRolloutLoop.generate_one, "
+                "whose rollouts carry no reward; pass reward_funcs, or a loop_cls whose "
+                "generate_one returns Rollout(..., reward=...)")
         self._check_picklable()
         run = self.run = self._new_run(resume_from_checkpoint)
         run.interrupt_after_step = interrupt_after_step
