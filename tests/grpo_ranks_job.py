@@ -4,7 +4,8 @@
         one step's gradient, before the optimizer, from the trainer's own `_train_on`: N = 2
         deals the step's micro-batches to two ranks; N = 1 trains each slot's micro-batches
         as one (the same global batch); two steps: 3 micro-batches (rank 1 has one slot
-        fewer), then 1 (rank 1 has none and joins the all-reduce idle)
+        fewer), then 1 (rank 1 has none and joins the all-reduce idle), then that one again
+        with average_tokens_across_devices=False (a part-filled slot still counts fully)
     torchrun --standalone --nproc-per-node N tests/grpo_ranks_job.py train MODEL OUT NAME
         [--interrupt S | --resume]: a real run (embedded server, rollout worker) of 4 steps on
         a fixed schedule; each rank writes its final policy and the samples it trained
@@ -70,7 +71,8 @@ def gradient(model: str, out: Path) -> None:
     trainer.forward_model = ranks.wrap(trainer.model)
     parameters = {n: p for n, p in trainer.model.named_parameters() if p.requires_grad}
     results = []
-    for seed, wanted in ((7, 3), (8, 1)):
+    for seed, wanted, across in ((7, 3, True), (8, 1, True), (8, 1, False)):
+        args.average_tokens_across_devices = across  # False: each rank's own token mean
         batches = microbatches(random_groups(seed, groups=4), ROWS)[:wanted]
         assert len(batches) == wanted, len(batches)
         if ranks.world_size == 1:  # slot k's micro-batches of two ranks as one

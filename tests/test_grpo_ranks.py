@@ -69,7 +69,9 @@ def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(tmp_path):
 def test_two_ranks_give_the_gradient_of_one_rank_on_the_same_global_batch(
         tiny_model, tmp_path):
     """Step 1: three micro-batches (rank 0 has slots 0 and 1, rank 1 slot 0 only); step 2:
-    one (rank 1 forwards idle). The one-rank step trains each slot's micro-batches as one."""
+    one (rank 1 forwards idle); step 3: the same with average_tokens_across_devices=False,
+    whose slot of one micro-batch must not be halved by DDP's mean over two ranks. The
+    one-rank step trains each slot's micro-batches as one."""
     torchrun(2, "gradient", str(tiny_model), str(tmp_path))
     torchrun(1, "gradient", str(tiny_model), str(tmp_path))
     one = torch.load(tmp_path / "gradient-world1-rank0.pt")

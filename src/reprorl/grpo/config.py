@@ -46,7 +46,7 @@ class AsyncGRPOConfig:
     average_tokens_across_devices: bool = option(
         True, "Across ranks, divide a micro-batch's loss by the trained tokens of all ranks.")
     ddp_backend: str | None = option(
-        None, "torch.distributed backend under torchrun (None: nccl with CUDA, else gloo).")
+        None, "torch.distributed backend under torchrun (None: gloo, for CPU tensors).")
     ddp_timeout: int = option(
         1800, "Seconds a rank may wait for the others in a collective (rank 0's rollouts).")
     num_train_epochs: float = option(
@@ -190,8 +190,9 @@ class AsyncGRPOConfig:
     def _choice_problems(self):
         if self.dtype not in DTYPES:
             yield f"dtype must be one of {DTYPES}"
-        if self.ddp_backend not in (None, "gloo", "nccl"):
-            yield "ddp_backend must be None, 'gloo' (CPU tensors) or 'nccl' (CUDA tensors)"
+        if self.ddp_backend not in (None, "gloo"):
+            yield ("ddp_backend must be None or 'gloo': the trainer keeps every tensor on the "
+                   "CPU, which NCCL cannot carry")
         if self.train_sampling_strategy not in ("random", "sequential"):
             yield "train_sampling_strategy must be 'random' or 'sequential'"
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):

@@ -31,7 +31,6 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 
@@ -108,9 +107,15 @@ class Ranks:
         would make every rank forward as often as the others."""
         if not self.distributed:
             return model
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, forward_sync_buffers=False)
+        # torch 2.13 renamed broadcast_buffers (deprecated there) to forward_sync_buffers
+        known = inspect.signature(DistributedDataParallel).parameters
+        name = ("forward_sync_buffers" if "forward_sync_buffers" in known
+                else "broadcast_buffers")
+        return DistributedDataParallel(model, **{name: False})
 
 
 def ranks_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> Ranks:
@@ -128,8 +133,9 @@ def ranks_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> Ran
 
 
 def default_backend() -> str:
-    """NCCL where this rank has a CUDA device, gloo otherwise (CPU tensors)."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo: every tensor of this engine is on the CPU, even where CUDA is present (NCCL
+    would need them on the rank's GPU)."""
+    return "gloo"
 
 
 def _leave() -> None:

@@ -67,7 +67,7 @@ def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1) -
                          "keep its columns JSON-like (str, numbers, lists, dicts)") from error
     identity = {"config": _config_fingerprint(settings), "dataset_rows": len(rows),
                 "dataset_sha256": hashlib.sha256(data).hexdigest()}
-    if world_size > 1:  # one rank adds no key: its checkpoints stay as before ranks existed
+    if world_size > 1:  # a one-rank identity has no such key
         identity["world_size"] = world_size
     return identity
 

@@ -905,11 +905,15 @@ class AsyncGRPOTrainer:
         run, args, ranks = self.run, self.args, self.ranks
         local, step.slots = deal(batches, ranks.world_size, ranks.rank), slots(
             batches, ranks.world_size)
+        world = ranks.world_size
         across = ranks.distributed and args.average_tokens_across_devices
-        # across ranks, each slot's loss divides by its trained tokens on every rank, and the
-        # ranks' gradients are summed: DDP averages them, so each rank's term is scaled by N
-        denominators = (slot_trained_tokens(batches, ranks.world_size) if across
-                        else [None] * step.slots)
+        # DDP averages the ranks' gradients over N. Across ranks, each slot's loss divides by
+        # its trained tokens on every rank, so each rank's term is scaled by N (a sum); else
+        # each rank's token mean by N / n_k, n_k the ranks with a micro-batch in slot k (a
+        # mean over those, not over N: a part-filled slot counts fully)
+        denominators = (slot_trained_tokens(batches, world) if across else [None] * step.slots)
+        weights = [world if across else world / len(batches[k * world:(k + 1) * world])
+                   for k in range(step.slots)]
         report = RankReport(0.0, 0, 0)
         for k, samples in enumerate(local):
             started = time.monotonic()
@@ -918,10 +922,11 @@ class AsyncGRPOTrainer:
             with contextlib.nullcontext() if syncing else self.forward_model.no_sync():
                 loss, stats = self._loss(batch, denominators[k])
                 step.fwd_s += time.monotonic() - started
-                scaled = loss * ranks.world_size if across else loss
+                scaled = loss * weights[k] if ranks.distributed else loss
                 (scaled / args.gradient_accumulation_steps).backward()
             step.fwd_bwd_s += time.monotonic() - started
-            report.loss += float(loss.detach()) / args.gradient_accumulation_steps
+            share = weights[k] / world if ranks.distributed else 1  # of the step's loss
+            report.loss += float(loss.detach()) * share / args.gradient_accumulation_steps
             report.forwarded_tokens += batch.forwarded_tokens
             report.real_tokens += batch.real_tokens
             for name, values in stats.items():
@@ -934,9 +939,8 @@ class AsyncGRPOTrainer:
             run.window.clear()
         reports = ranks.gather(report)
         if ranks.main:
-            losses = [r.loss for r in reports]
-            step.loss = sum(losses) if across or not ranks.distributed else (
-                sum(losses) / ranks.world_size)  # DDP's mean of the ranks' token means
+            self._others_wait = True  # a failure from here on: they wait for a message
+            step.loss = sum(r.loss for r in reports)
             step.forwarded_tokens = sum(r.forwarded_tokens for r in reports)
             run.num_tokens += sum(r.real_tokens for r in reports)
             for other in reports[1:]:
@@ -951,8 +955,9 @@ class AsyncGRPOTrainer:
 
     def _optimizer_step(self, step: Step) -> None:
         """Clip and apply the accumulated gradients. A step of another number of micro-batches
-        than asked (the epoch's end; a fixed schedule's block, thinned by dropped groups or cut
-        finer by the token budget) is a mean over its own: gradients and loss are rescaled."""
+        per rank (slots) than asked (the epoch's end; a fixed schedule's block, thinned by
+        dropped groups or cut finer by the token budget) is a mean over its own: gradients and
+        loss are rescaled."""
         run, args = self.run, self.args
         if step.slots != args.gradient_accumulation_steps:
             scale = args.gradient_accumulation_steps / step.slots
