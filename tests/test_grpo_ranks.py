@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from reprorl.grpo import AsyncGRPOConfig
-from reprorl.grpo.distributed import deal, slot_trained_tokens, slots
+from reprorl.grpo.distributed import by_slot, deal, trained_tokens
 from reprorl.grpo.identity import refuse_other_run, run_identity
 
 HERE = Path(__file__).parent
@@ -49,8 +49,8 @@ class Trained:
 def test_micro_batches_are_dealt_round_robin_and_slots_count_every_rank():
     batches = [[Trained(3)], [Trained(2), Trained(1)], [Trained(4)]]
     assert [deal(batches, 2, r) for r in (0, 1)] == [[batches[0], batches[2]], [batches[1]]]
-    assert slots(batches, 2) == 2 and slots(batches, 1) == 3 and slots(batches, 4) == 1
-    assert slot_trained_tokens(batches, 2) == [6, 4]
+    assert [len(by_slot(batches, n)) for n in (2, 1, 4)] == [2, 3, 1]
+    assert [trained_tokens(slot) for slot in by_slot(batches, 2)] == [6, 4]
     assert deal(batches[:1], 2, 1) == []  # this rank forwards idle in that step
 
 

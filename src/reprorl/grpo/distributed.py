@@ -26,7 +26,6 @@ zero loss, so that DDP's all-reduce still hears from every rank.
 from __future__ import annotations
 
 import atexit
-import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -97,10 +96,6 @@ class Ranks:
         dist.gather_object(report, reports, dst=0)
         return reports
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier()
-
     def wrap(self, model):
         """The module the loss forwards through: DDP across ranks, the model itself alone.
         Buffers are synced once, not at every forward: no rank changes them, and a sync
@@ -126,16 +121,10 @@ def ranks_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> Ran
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return Ranks()
-        dist.init_process_group(backend or default_backend(),
-                                timeout=timedelta(seconds=timeout_s))
+        # gloo: every tensor of this engine is on the CPU, even where CUDA is present
+        dist.init_process_group(backend or "gloo", timeout=timedelta(seconds=timeout_s))
         atexit.register(_leave)
     return Ranks(dist.get_rank(), dist.get_world_size())
-
-
-def default_backend() -> str:
-    """gloo: every tensor of this engine is on the CPU, even where CUDA is present (NCCL
-    would need them on the rank's GPU)."""
-    return "gloo"
 
 
 def _leave() -> None:
@@ -148,14 +137,13 @@ def deal(batches: list, world_size: int, rank: int) -> list:
     return batches[rank::world_size]
 
 
-def slots(batches: list, world_size: int) -> int:
-    """Accumulation slots of a step: micro-batches per rank, the busiest rank's."""
-    return math.ceil(len(batches) / world_size)
+def by_slot(batches: list, world_size: int) -> list[list]:
+    """A step's micro-batches per accumulation slot (slot k: micro-batches kN .. kN + N - 1,
+    one per rank); as many slots as the busiest rank has micro-batches."""
+    return [batches[k:k + world_size] for k in range(0, len(batches), world_size)]
 
 
-def slot_trained_tokens(batches: list, world_size: int) -> list[int]:
-    """Per slot, the trained tokens of its micro-batches on every rank: the loss's
-    denominator under `average_tokens_across_devices`."""
-    return [sum(sum(s.sequence.trained) for samples in batches[k * world_size:
-                                                                (k + 1) * world_size]
-                for s in samples) for k in range(slots(batches, world_size))]
+def trained_tokens(slot: list) -> int:
+    """The trained tokens of a slot's micro-batches on every rank: the loss's denominator
+    under `average_tokens_across_devices`."""
+    return sum(sum(s.sequence.trained) for samples in slot for s in samples)

@@ -64,8 +64,8 @@ from .distributed import (
     Setup,
     deal,
     ranks_from_env,
-    slot_trained_tokens,
-    slots,
+    by_slot,
+    trained_tokens,
 )
 from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
@@ -888,6 +888,7 @@ class AsyncGRPOTrainer:
                 self.args.gradient_accumulation_steps * ranks.world_size))
         else:
             batches = run.samples.next_block(first, last, run.batcher)
+        taken_at = time.time()  # when they left the queue (sample/time_in_queue_s)
         step = Step([s for samples in batches for s in samples], microbatches=len(batches),
                     wait_s=run.samples.take_wait_s())
         step.sample_tokens = sum(s.tokens for s in step.samples)
@@ -895,7 +896,7 @@ class AsyncGRPOTrainer:
             self._others_wait = False
             ranks.share(batches)
             self._train_on(step, batches)
-            self._record_samples(step.samples)
+            self._record_samples(step.samples, taken_at)
         return step
 
     def _train_on(self, step: Step, batches: list[list[Sample]]) -> None:
@@ -903,17 +904,16 @@ class AsyncGRPOTrainer:
         backward, loss and metrics; across ranks, rank 0 adds every rank's report to `step`.
         DDP all-reduces in each rank's last backward only (`no_sync` before it)."""
         run, args, ranks = self.run, self.args, self.ranks
-        local, step.slots = deal(batches, ranks.world_size, ranks.rank), slots(
-            batches, ranks.world_size)
-        world = ranks.world_size
+        world, local = ranks.world_size, deal(batches, ranks.world_size, ranks.rank)
+        step_slots = by_slot(batches, world)
+        step.slots = len(step_slots)
         across = ranks.distributed and args.average_tokens_across_devices
         # DDP averages the ranks' gradients over N. Across ranks, each slot's loss divides by
         # its trained tokens on every rank, so each rank's term is scaled by N (a sum); else
         # each rank's token mean by N / n_k, n_k the ranks with a micro-batch in slot k (a
         # mean over those, not over N: a part-filled slot counts fully)
-        denominators = (slot_trained_tokens(batches, world) if across else [None] * step.slots)
-        weights = [world if across else world / len(batches[k * world:(k + 1) * world])
-                   for k in range(step.slots)]
+        denominators = [trained_tokens(slot) if across else None for slot in step_slots]
+        weights = [world if across else world / len(slot) for slot in step_slots]
         report = RankReport(0.0, 0, 0)
         for k, samples in enumerate(local):
             started = time.monotonic()
@@ -986,8 +986,8 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------ metrics
 
-    def _record_samples(self, samples: list[Sample]) -> None:
-        w, now = self.run.window, time.time()
+    def _record_samples(self, samples: list[Sample], taken_at: float) -> None:
+        w, now = self.run.window, taken_at
         for s in samples:
             staleness = self.run.version.value - s.model_version
             w.add("sample/staleness_mean", staleness)
