@@ -35,14 +35,44 @@ from .schedule import linear_warmup_decay
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SYSTEM_PROMPT = "You are a helpful assistant."
-# Qwen2.5's template, reduced to what this project uses (no tools): a default system turn,
-# then `<|im_start|>role\ncontent<|im_end|>\n` per message.
+# Qwen2.5's template, reduced to what this project uses: a default system turn, then
+# `<|im_start|>role\ncontent<|im_end|>\n` per message. With tools, Qwen's layout (so one parser
+# reads both models): the schemas in the system turn between <tools> tags, an assistant's calls
+# as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>` after its content, and a run
+# of tool messages as one user turn of `<tool_response>` blocks. Conversations without tools
+# render exactly as before tools existed (the pipeline's prompts and hashes stay the same).
+# short: the embedded vocabulary spends about a token per character of JSON
+TOOLS_PREAMBLE = "\n\n# Tools\n<tools>"
+TOOL_CALL_FORMAT = "\n</tools>"
+NL = "{{ '\\n' }}"  # Hugging Face renders with trim_blocks: a newline right after a tag is eaten
 CHAT_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}"
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}" + SYSTEM_PROMPT + "{% endif %}"
+    + NL + TOOLS_PREAMBLE[1:] +
+    "{% for tool in tools %}" + NL + "{{ tool | tojson }}{% endfor %}"
+    + NL + TOOL_CALL_FORMAT[1:] + "<|im_end|>\n"
+    "{% elif messages[0]['role'] != 'system' %}"
     "<|im_start|>system\n" + SYSTEM_PROMPT + "<|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant{% if message['content'] %}" + NL + "{{ message['content'] }}"
+    "{% endif %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set call = call['function'] if call['function'] is defined else call %}"
+    + NL + "<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": "
+    "{{ call['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
+    "{% endif %}" + NL + "<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -3,21 +3,21 @@
 Only the fields this engine reads are declared (TRL's class also carries every
 `TrainingArguments` field); under `torchrun` the ranks train with DDP (`distributed.py`), which
 reads `average_tokens_across_devices`, `ddp_backend` and `ddp_timeout`. Left out on purpose:
-FSDP's fields, MoE's `router_aux_loss_coef`, evaluation, hub and
-`report_to` (metrics go to JSONL and the console), `lr_scheduler_kwargs` (the two schedules
-here take none). Departures: `bf16=None` means "mixed precision on a CUDA trainer", which this
-CPU engine never is (the seed turns bf16 on unless fp16); `ignore_data_skip` can only be True,
-as in the seed; `vllm_server_timeout` bounds the start-up wait only (the seed uses it for
-weight syncs too), `vllm_request_timeout` each request. Additions of ours, grouped at the end:
-`embedded_server*` (start the CPU server shipped here), `schedule_lag` (a schedule that
-replays bit for bit), `synchronous` (its lag 0, the benchmark's baseline) and `groups_per_step`
-(its step: a fixed count of prompts, where the seed's step holds what the rows' budget takes),
-`vllm_max_retries`, `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs
-`reward_timeout` and `stall_timeout`, `weight_sync_check*` (each sync proven by a canary
-request, see `weights.SyncCheck`), `lora_rank` / `lora_alpha` (a fresh adapter's shape) and
-`use_peft` (TRL's `ModelConfig` name: False trains the full model, which TRL's trainer does when
-`peft_config` is None; here a missing `peft_config` still means a fresh LoRA of `lora_rank`,
-the pipeline's policy).
+FSDP's fields, MoE's `router_aux_loss_coef`, evaluation, hub and `report_to` (metrics go to
+JSONL and the console), `lr_scheduler_kwargs` (the two schedules here take none). Departures:
+`bf16=None` means "mixed precision on a CUDA trainer", which this CPU engine never is (the seed
+turns bf16 on unless fp16); `ignore_data_skip` can only be True, as in the seed;
+`vllm_server_timeout` bounds the start-up wait only (the seed uses it for weight syncs too),
+`vllm_request_timeout` each request. Additions of ours, grouped at the end: `embedded_server*`
+(start the CPU server shipped here), `schedule_lag` (a schedule that replays bit for bit),
+`synchronous` (its lag 0, the benchmark's baseline) and `groups_per_step` (its step: a fixed
+count of prompts, where the seed's step holds what the rows' budget takes), `vllm_max_retries`,
+`vllm_server_api_key`, `vllm_request_timeout`, the watchdogs `reward_timeout`, `tool_timeout`
+and `stall_timeout`, `weight_sync_check*` (each sync proven by a canary request, see
+`weights.SyncCheck`), `lora_rank` / `lora_alpha` (a fresh adapter's shape) and `use_peft` (TRL's
+`ModelConfig` name: False trains the full model, which TRL's trainer does when `peft_config` is
+None; here a missing `peft_config` still means a fresh LoRA of `lora_rank`, the pipeline's
+policy).
 Every number is checked finite and in range when the config is made.
 """
 
@@ -99,6 +99,8 @@ class AsyncGRPOConfig:
     min_p: float | None = option(None, "Min-p sampling (only None).")
     chat_template_kwargs: dict | str | None = field(default=None, metadata={
         "help": "Extra keyword arguments for apply_chat_template (a dict or its JSON)."})
+    max_tool_calling_iterations: int | None = option(
+        None, "Tool-calling turns per rollout at most (None: until a turn calls no tool).")
     # ---- generation server
     vllm_server_base_url: str = option(
         "http://localhost:8000", "Base URL of the generation server (vLLM or the embedded one).")
@@ -152,6 +154,9 @@ class AsyncGRPOConfig:
         600.0, "Seconds one request to the server may take (sampling, adapter load, metrics).")
     reward_timeout: float = option(
         600.0, "Seconds one reward function may take to score one group before the run fails.")
+    tool_timeout: float = option(
+        60.0, "Seconds a tool call may run before it fails; an environment's reset or "
+        "get_reward that runs longer fails the run.")
     stall_timeout: float = option(
         1800.0, "Seconds without a trained sample before the run stops with an error naming why.")
     weight_sync_check: bool | None = option(
@@ -252,13 +257,16 @@ class AsyncGRPOConfig:
                      "groups_per_step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 yield f"{name} must be >= 1"
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            yield "max_tool_calling_iterations must be >= 0 (or None: no limit)"
         for name in ("max_staleness", "vllm_max_retries", "num_sampler_logprobs",
                      "learning_rate", "weight_decay", "warmup_steps", "epsilon"):
             if getattr(self, name) < 0:
                 yield f"{name} must be >= 0"
         for name in ("num_train_epochs", "max_grad_norm", "adam_epsilon", "lora_alpha",
                      "vllm_server_timeout", "vllm_request_timeout", "rollout_worker_timeout",
-                     "reward_timeout", "stall_timeout", "weight_sync_check_tolerance"):
+                     "reward_timeout", "tool_timeout", "stall_timeout",
+                     "weight_sync_check_tolerance"):
             if getattr(self, name) <= 0:
                 yield f"{name} must be > 0"
         for name in ("adam_beta1", "adam_beta2"):

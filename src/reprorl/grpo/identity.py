@@ -27,7 +27,8 @@ RESUMABLE_CHANGES = frozenset({
     "num_completions_to_print", "vllm_server_base_url", "vllm_server_timeout",
     "rollout_worker_timeout", "vllm_max_retries", "max_concurrent_rollouts",
     "embedded_server", "embedded_server_threads", "embedded_server_max_num_seqs",
-    "gradient_checkpointing", "vllm_request_timeout", "reward_timeout", "stall_timeout",
+    "gradient_checkpointing", "vllm_request_timeout", "reward_timeout", "tool_timeout",
+    "stall_timeout",
     "ddp_backend", "ddp_timeout",
     "vllm_server_api_key"})  # a secret: never written into a checkpoint
 

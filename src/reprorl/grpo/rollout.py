@@ -42,6 +42,18 @@ from typing import Any
 
 import numpy as np
 
+from .agents import (
+    EnvironmentPool,
+    ToolCall,
+    assistant_message,
+    call_tool,
+    environment_factories,
+    environment_tools,
+    observe,
+    parse_tool_calls,
+    run_in_pool,
+    tool_name,
+)
 from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 from .processes import die_with_parent
@@ -65,13 +77,19 @@ class TurnRecord:
 
 @dataclass
 class Rollout:
-    """A finished rollout, as `generate_one` returns it."""
+    """A finished rollout, as `generate_one` returns it: the completion's messages (assistant
+    and tool), every generated token in order, and the sampling requests that made them."""
 
     completion: list[dict[str, Any]]
     completion_ids: list[int]
     turns: list[TurnRecord]
+    tool_call_count: int = 0
+    tool_failure_count: int = 0
     reward: float | None = None
     rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # ours: for the tools/ metrics
+    tool_batches: list[int] = field(default_factory=list)  # calls per tool-calling turn
+    loop_exhausted: bool = False  # stopped by max_tool_calling_iterations while calling
 
 
 @dataclass
@@ -102,6 +120,8 @@ class RolloutGroup:
     position: int = 0  # epoch * rows + index in the epoch order: the resume cursor's unit
     truncated: list[bool] = field(default_factory=list)
     reward_by_func: dict[str, list[float]] = field(default_factory=dict)
+    env_rewards: list[tuple[str, float] | None] = field(default_factory=list)  # class, value
+    rollouts: list[Rollout] = field(default_factory=list)
 
 
 @dataclass
@@ -218,10 +238,11 @@ def reward_name(func) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
-def prompt_token_ids(tokenizer, prompt: list[dict], chat_template_kwargs=None) -> list[int]:
-    """A row's chat prompt as the token ids a rollout sends (the generation prompt appended)."""
+def prompt_token_ids(tokenizer, prompt: list[dict], chat_template_kwargs=None,
+                     tools=None) -> list[int]:
+    """A conversation as the token ids a turn sends (the generation prompt appended)."""
     text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
+                                         tools=tools or None, **(chat_template_kwargs or {}))
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -229,7 +250,7 @@ class AsyncRolloutLoop:
     def __init__(self, config, model_name: str, dataset, reward_funcs: list, processing_class,
                  eos_token_ids: list[int], rollout_buffer, model_version_value, token_allowance,
                  heartbeat_value, failed_event, exception_info_queue, metrics_queue,
-                 tools=None, score_queue_maxsize: int = 16,
+                 tools=None, environment_factory=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
                  queued_tokens=None, queued_samples=None, stop_event=None,
                  consumed_after_cursor=()):
@@ -239,7 +260,9 @@ class AsyncRolloutLoop:
         self.rollout_buffer, self.model_version = rollout_buffer, model_version_value
         self.token_allowance, self.heartbeat = token_allowance, heartbeat_value
         self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
-        self.metrics_queue, self.tools = metrics_queue, list(tools or [])  # none until agents
+        self.metrics_queue, self.tools = metrics_queue, list(tools or [])
+        self.environments = EnvironmentPool(environment_factories(environment_factory))
+        self.has_tools = bool(self.tools or self.environments.factories)
         self.score_queue_maxsize = score_queue_maxsize
         self.lora_name, self.start = lora_name, dataset_start_index
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
@@ -261,13 +284,43 @@ class AsyncRolloutLoop:
         return True
 
     async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
-        """One rollout. Single turn here; the tool loop of a later release plugs in here."""
-        prompt_ids = prompt_token_ids(self.tokenizer, prompt, self.config.chat_template_kwargs)
-        turn = await self.generate_one_turn(list(prompt_ids))
-        ids = turn.output_ids
-        body = ids[:-1] if ids and ids[-1] in self.eos_token_ids else ids
-        text = self.tokenizer.decode(body, skip_special_tokens=False)
-        return Rollout([{"role": "assistant", "content": text}], list(ids), [turn])
+        """One rollout: the tool loop. Each turn renders the whole conversation (with the
+        tools' schemas), samples a reply, and runs the tool calls in it, in order, appending
+        their results as tool messages; it ends at a turn without calls, a turn cut at
+        max_completion_length, or after `max_tool_calling_iterations` tool-calling turns."""
+        by_name = {tool_name(t): t for t in tools}
+        limit = self.config.max_tool_calling_iterations
+        rollout = Rollout([], [], [])
+        while True:
+            prompt_ids = prompt_token_ids(self.tokenizer, prompt + rollout.completion,
+                                          self.config.chat_template_kwargs, tools)
+            turn = await self.generate_one_turn(prompt_ids)
+            rollout.turns.append(turn)
+            rollout.completion_ids += turn.output_ids
+            ids = turn.output_ids
+            body = ids[:-1] if ids and ids[-1] in self.eos_token_ids else ids
+            text = self.tokenizer.decode(body, skip_special_tokens=False)
+            content, calls = parse_tool_calls(text) if tools else (text, [])
+            if calls and turn.finish_reason != "stop":  # cut mid-reply: nothing is called
+                content, calls = text, []
+            rollout.completion.append(assistant_message(content, calls))
+            if not calls:
+                return rollout
+            if limit is not None and len(rollout.tool_batches) >= limit:
+                rollout.loop_exhausted = True
+                return rollout
+            rollout.tool_batches.append(len(calls))
+            for call in calls:
+                done = await call_tool(by_name, call["name"], call["arguments"],
+                                       self.tool_pool, self.config.tool_timeout)
+                rollout.tool_calls.append(done)
+                if not done.unknown:
+                    self.record("tools/latency_s", done.latency_s)
+                    self.record(f"tools/{done.name}/latency_s", done.latency_s)
+                rollout.tool_call_count += 1
+                rollout.tool_failure_count += done.failed
+                rollout.completion.append(
+                    {"role": "tool", "name": done.name, "content": done.result})
 
     async def generate_one_turn(self, prompt_ids: list[int]) -> TurnRecord:
         """One sampling request with the config's settings and a fresh seed."""
@@ -339,6 +392,9 @@ class AsyncRolloutLoop:
         # its failure; the thread itself lives on until the trainer terminates the worker
         self.reward_pool = ThreadPoolExecutor(max(1, len(self.reward_funcs)),
                                               thread_name_prefix="reward")
+        # tools and environments: a slow one holds up its own rollout only (the seed's size)
+        self.tool_pool = ThreadPoolExecutor(self.config.max_concurrent_rollouts,
+                                            thread_name_prefix="tool")
         self.score_queue: asyncio.Queue = asyncio.Queue(self.score_queue_maxsize)
         self.slots = asyncio.Condition()
         await self.client.open()
@@ -368,6 +424,7 @@ class AsyncRolloutLoop:
                 await self.close()
             finally:
                 self.reward_pool.shutdown(wait=False, cancel_futures=True)
+                self.tool_pool.shutdown(wait=False, cancel_futures=True)
                 await self.client.aclose()
                 self.flush_records()
 
@@ -480,13 +537,11 @@ class AsyncRolloutLoop:
             version = self.model_version.value
         token = _MODEL.set(self.served_name(version))
         try:
-            prompt = row["prompt"]
             started = time.monotonic()
             k = self.config.num_generations
-            rollouts = await asyncio.gather(*[
-                self._one(prompt, group_id, position * k + i) for i in range(k)])
-            group = self._assemble(rollouts, prompt, row, row_index, group_id, version,
-                                   position)
+            outcomes = await asyncio.gather(*[
+                self._one(row, group_id, position * k + i) for i in range(k)])
+            group = self._assemble(outcomes, row, row_index, group_id, version, position)
             tokens = sum(len(s.input_ids) for seqs in group.completions_sequences for s in seqs)
             self.tokens_per_group.append(tokens)
             self.record("rollout/group_duration_s", time.monotonic() - started)
@@ -501,14 +556,48 @@ class AsyncRolloutLoop:
         finally:
             _MODEL.reset(token)
 
-    async def _one(self, prompt: list[dict], group_id: int, rollout_key: int) -> Rollout:
+    async def _environment_call(self, method, what: str, **kwargs):
+        """reset() or get_reward() in the tool pool; a failure there fails the run (it is the
+        environment's fault, not the policy's)."""
+        started = time.monotonic()
+        label = f"{type(method.__self__).__name__}.{method.__name__}()"
+        try:
+            value = await run_in_pool(method, self.tool_pool, self.config.tool_timeout,
+                                      **kwargs)
+        except TimeoutError as error:
+            raise RuntimeError(f"{label} took more than tool_timeout="
+                               f"{self.config.tool_timeout:g} s") from error
+        except Exception as error:
+            raise RuntimeError(f"{label} raised {type(error).__name__}: {error}") from error
+        self.record(what, time.monotonic() - started)
+        return value
+
+    async def _one(self, row: dict, group_id: int, rollout_key: int):
+        """One rollout of a row, in an environment when there are some: the instance is reset
+        with the row's columns, its methods join the tools, and its get_reward() scores the
+        rollout. Returns the rollout and the environment's reward (class name, value)."""
         _ROLLOUT.set([rollout_key, 0])  # this task's own context: its requests' seeds
         self.in_flight_rollouts += 1
         self.record("rollout/concurrency", self.in_flight_rollouts)
         self.record("rollout/concurrency_cap", self.cap)
         started = time.monotonic()
+        prompt, tools, env_reward = row.get("prompt"), self.tools, None
+        key = environment = None
         try:
-            rollout = await self.generate_one(prompt, self.tools, group_id)
+            if self.environments.factories:
+                key = self.environments.key_of(row)
+                environment = self.environments.take(key)
+                columns = {k: v for k, v in row.items() if not (key and k == "environment")}
+                observation = await self._environment_call(environment.reset, "env/reset_s",
+                                                           **columns)
+                prompt = observe(prompt, observation)
+                tools = [*self.tools, *environment_tools(environment)]
+            rollout = await self.generate_one(prompt, tools, group_id)
+            if callable(getattr(environment, "get_reward", None)):
+                value = await self._environment_call(environment.get_reward, "env/reward_s")
+                env_reward = (type(environment).__name__, value)
+            if environment is not None:  # a failed one is not reused
+                self.environments.give_back(key, environment)
         finally:
             self.in_flight_rollouts -= 1
             self.finished_since_raise += 1
@@ -519,9 +608,10 @@ class AsyncRolloutLoop:
         self.last_rate_time = now
         self.record("rollout/turns_mean", len(rollout.turns))
         self.record("rollout/turns_max", len(rollout.turns))
-        return rollout
+        return prompt, rollout, env_reward
 
-    def _assemble(self, rollouts, prompt, row, row_index, group_id, version, position):
+    def _assemble(self, outcomes, row, row_index, group_id, version, position):
+        prompts, rollouts, env_rewards = (list(part) for part in zip(*outcomes))
         columns = {k: [v] * len(rollouts) for k, v in row.items() if k != "prompt"}
         sequences = []
         for rollout in rollouts:
@@ -533,7 +623,7 @@ class AsyncRolloutLoop:
                 self.record("rollout/drift_tokens_mean", drift)
                 self.record("rollout/drift_tokens_max", drift)
         return RolloutGroup(
-            prompts=[prompt] * len(rollouts), reward_kwargs=columns,
+            prompts=prompts, reward_kwargs=columns,
             completions=[r.completion for r in rollouts],
             completions_ids=[r.completion_ids for r in rollouts],
             completions_sequences=sequences,
@@ -541,6 +631,7 @@ class AsyncRolloutLoop:
             rollout_rewards=[r.reward for r in rollouts],
             position=position,
             truncated=[bool(r.turns) and r.turns[-1].finish_reason != "stop" for r in rollouts],
+            env_rewards=env_rewards, rollouts=rollouts,
         )
 
     # ------------------------------------------------------------ scoring
@@ -586,15 +677,22 @@ class AsyncRolloutLoop:
     async def _reward(self, group: RolloutGroup) -> None:
         results = await asyncio.gather(*[self._call_reward(f, group) for f in self.reward_funcs])
         group.reward_by_func = {reward_name(f): r for f, r in zip(self.reward_funcs, results)}
-        columns = list(results) + [[math.nan if v is None else v for v in group.rollout_rewards]]
+        for name in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
+            # an environment's get_reward: one more source, named after its class
+            group.reward_by_func[name] = [
+                float(e[1]) if e is not None and e[0] == name and e[1] is not None else math.nan
+                for e in group.env_rewards]
+        columns = list(group.reward_by_func.values()) + [
+            [math.nan if v is None else v for v in group.rollout_rewards]]
         table = np.array(columns, dtype=np.float64)  # sources x rollouts
         scored = ~np.isnan(table)
         totals = np.where(scored, table, 0.0).sum(0)
         group.rewards = np.where(scored.any(0), totals, np.nan)
 
     @staticmethod
-    def content_records(group: RolloutGroup, dropped: bool) -> list:
-        """The group's lengths and rewards, as records that travel with its GroupResult."""
+    def content_records(group: RolloutGroup, dropped: bool, has_tools: bool = False) -> list:
+        """The group's lengths, rewards and tool calls, as records that travel with its
+        GroupResult (tool metrics only when the run has tools)."""
         records = []
 
         def add(name: str, value: float) -> None:
@@ -612,6 +710,19 @@ class AsyncRolloutLoop:
                 if dropped:
                     add("reward_dropped", group.rewards[i])
         add("frac_reward_zero_std", float(dropped))
+        for rollout in group.rollouts if has_tools else ():
+            add("tools/call_frequency", rollout.tool_call_count)
+            add("tools/loop_exhausted_frac", float(rollout.loop_exhausted))
+            if not rollout.tool_calls:  # NaN: a window without a call has no failure rate
+                add("tools/failure_frequency", math.nan)
+            add("tools/unknown_name_count", sum(call.unknown for call in rollout.tool_calls))
+            for call in rollout.tool_calls:
+                add("tools/failure_frequency", float(call.failed))  # a mean over calls
+                if not call.unknown:
+                    add(f"tools/{call.name}/call_count", 1)
+                    add(f"tools/{call.name}/failure_count", float(call.failed))
+            for calls in rollout.tool_batches:
+                add("tools/parallel_calls_mean", calls)
         return records
 
     def _emit(self, group: RolloutGroup) -> None:
@@ -619,7 +730,7 @@ class AsyncRolloutLoop:
         rewards = group.rewards
         advantages = np.asarray(self.compute_advantages(group), dtype=np.float64)
         dropped = group_is_dropped(rewards)
-        records = self.content_records(group, dropped)
+        records = self.content_records(group, dropped, self.has_tools)
         if dropped:
             self._put(GroupResult(group.position, [], "zero_std", records))
             return
@@ -637,7 +748,7 @@ class AsyncRolloutLoop:
                     group_std=group_std, group_std_by_func=std_by,
                     model_version=group.model_version, group_id=group.group_id,
                     position=group.position, group_samples=0, tokens=len(sequence.input_ids),
-                    queued_at=time.time(), rollout_id=uuid.uuid4().hex,
+                    queued_at=time.time(), rollout_id=group.rollouts[i].rollout_id,
                     completion_text=group.completions[i][-1]["content"]))
         for sample in samples:
             sample.group_samples = len(samples)

@@ -16,16 +16,15 @@ cursor), `WorkerHandle` / `ServerProcess` (the child processes), `AdapterVersion
 of the above and deals each step's micro-batches to the other ranks, which train beside it
 with DDP); the per-run state is one `TrainingRun`.
 
-Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of
-`lora_rank` unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter
-(TRL merges it unless vLLM runs `--enable-lora`); DDP across ranks, not FSDP2; no callbacks,
-hub or optimizer overrides; tools and environments arrive with a later release (`generate_one`
-is where they plug in); a free-running step takes all its micro-batches before its first
-forward (they are dealt to the ranks at once). Free-running, the resume cursor also lists the
-positions already consumed beyond it, so a resumed worker neither skips nor replays a prompt;
-on a fixed schedule the cursor is the next block's first position, and every later position
-is generated again (seeded by its place, by the version the schedule names), so a checkpoint
-never depends on which groups happened to have arrived.
+Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of `lora_rank`
+unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter (TRL merges it
+unless vLLM runs `--enable-lora`); DDP across ranks, not FSDP2; no callbacks, hub or optimizer
+overrides; tools and environments as `agents.py` says; a free-running step takes all its
+micro-batches before its first forward (they are dealt to the ranks at once). Free-running, the
+resume cursor also lists the positions already consumed beyond it, so a resumed worker neither
+skips nor replays a prompt; on a fixed schedule the cursor is the next block's first position,
+and every later position is generated again (seeded by its place, by the version the schedule
+names), so a checkpoint never depends on which groups happened to have arrived.
 """
 
 from __future__ import annotations
@@ -53,6 +52,13 @@ from .. import lora
 from ..encoding import mask_for
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from . import server as embedded_server  # started by module name; imported for the code hash
+from .agents import (
+    check_prefix_preserving,
+    check_tools,
+    environment_factories,
+    probe_environments,
+    tool_name,
+)
 from .batching import MicroBatch, TokenBudgetBatcher
 from .client import ServerAdmin
 from .config import AsyncGRPOConfig
@@ -144,10 +150,20 @@ class TrainOutput(NamedTuple):
     metrics: dict
 
 
-def as_rows(dataset) -> list[dict]:
-    """Any sequence of mappings with a conversational `prompt` column, as plain dicts."""
+def as_rows(dataset, factories: dict | None = None, max_steps: int = -1) -> list[dict]:
+    """Any sequence of mappings with a conversational `prompt` column, as plain dicts. With an
+    environment the prompt may be left to its reset() (an empty user message before it), and
+    one environment for every row may go without a dataset: one empty row, drawn `max_steps`
+    times' worth (the environment makes each task)."""
+    if dataset is None and factories and None in factories:
+        if max_steps <= 0:
+            raise ValueError("an environment_factory without a train_dataset sets the run's "
+                             "length by max_steps: set max_steps > 0")
+        return [{}]
     if dataset is None:
-        raise ValueError("train_dataset is required (rows with a conversational 'prompt')")
+        raise ValueError("train_dataset is required (rows with a conversational 'prompt'"
+                         + (", and an 'environment' column naming each row's environment)"
+                            if factories else ")"))
     if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # pandas
         rows = dataset.to_dict("records")
     else:
@@ -156,6 +172,8 @@ def as_rows(dataset) -> list[dict]:
         raise ValueError("train_dataset is empty")
     for i, row in enumerate(rows):
         prompt = row.get("prompt")
+        if factories and prompt is None:
+            continue
         if not (isinstance(prompt, list) and prompt and all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
             raise ValueError(f"train_dataset row {i}: 'prompt' must be a conversation, a list "
@@ -431,11 +449,12 @@ class AsyncGRPOTrainer:
         self.args = args or AsyncGRPOConfig(output_dir="grpo-output")
         if self.args.output_dir is None:
             raise ValueError("AsyncGRPOConfig.output_dir is required")
-        if tools or environment_factory:
-            raise ValueError("tools and environment_factory are not supported yet: override "
-                             "AsyncRolloutLoop.generate_one to run a multi-turn rollout")
         self.reward_funcs = reward_functions(reward_funcs)
-        self.rows = as_rows(train_dataset)
+        self.tools = check_tools(tools)
+        self.environment_factory = environment_factory
+        factories = environment_factories(environment_factory)
+        self.rows = as_rows(train_dataset, factories, self.args.max_steps)
+        self.env_owns_reward = probe_environments(factories)  # per environment
         self.log = log
         # under torchrun: this process's rank, in the group it joins here (distributed.py)
         self.ranks = ranks_from_env(self.args.ddp_backend, self.args.ddp_timeout)
@@ -449,6 +468,8 @@ class AsyncGRPOTrainer:
                 self.model_path, local_files_only=True,
                 trust_remote_code=self.args.trust_remote_code)
         self.tokenizer = processing_class
+        if self.tools or factories:
+            check_prefix_preserving(self.tokenizer, self.args.chat_template_kwargs)
         if not self.args.use_peft:
             refuse_full_with_adapter(model, peft_config, lora_path)
             for parameter in model.parameters():  # the full model: every weight trains
@@ -477,6 +498,8 @@ class AsyncGRPOTrainer:
     def _check_picklable(self) -> None:
         things: list[tuple[str, Any]] = [
             *[(f"reward function {reward_name(f)!r}", f) for f in self.reward_funcs],
+            *[(f"tool {tool_name(f)!r}", f) for f in self.tools],
+            ("environment_factory", self.environment_factory),
             ("loop_cls", self.loop_cls), ("train_dataset", self.rows), ("args", self.args),
             ("processing_class", self.tokenizer)]
         for what, thing in things:
@@ -611,6 +634,7 @@ class AsyncGRPOTrainer:
         kwargs = {
             "config": args, "model_name": self.model_path, "dataset": self.rows,
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
+            "tools": self.tools, "environment_factory": self.environment_factory,
             "eos_token_ids": self.eos_token_ids, "rollout_buffer": groups,
             "model_version_value": run.version, "token_allowance": run.allowance,
             "metrics_queue": run.worker_metrics, "lora_name": run.weights.name,
@@ -624,8 +648,8 @@ class AsyncGRPOTrainer:
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
-        prompt_ids = prompt_token_ids(self.tokenizer, self.rows[0]["prompt"],
-                                      self.args.chat_template_kwargs)
+        prompt_ids = prompt_token_ids(self.tokenizer, self.rows[0].get("prompt") or [
+            {"role": "user", "content": "Hello."}], self.args.chat_template_kwargs)
         hint = ""
         if not self.args.use_peft and getattr(self.model.config, "tie_word_embeddings", False):
             hint = (". This model ties its output layer to its embedding (tie_word_embeddings),"
@@ -757,13 +781,17 @@ class AsyncGRPOTrainer:
         if interrupt_after_step is not None and args.save_strategy == "no":
             raise ValueError("interrupt_after_step needs a checkpoint to resume from: "
                              "save_strategy='no' writes none; use save_strategy='steps'")
-        if not self.reward_funcs and (
+        unscored = [k for k, owns in self.env_owns_reward.items() if not owns]
+        if not self.reward_funcs and (not self.env_owns_reward or unscored) and (
                 self.loop_cls.generate_one is AsyncRolloutLoop.generate_one):
+            which = "" if unscored in ([], [None]) else f" (environments {unscored})"
             raise ValueError(
-                "nothing scores a completion: reward_funcs is empty and the rollout loop "
+                f"nothing scores a completion{which}: reward_funcs is empty, no environment "
+                "defines get_reward(), and the rollout loop "
                 f"({self.loop_cls.__name__}) generates with AsyncRolloutLoop.generate_one, "
-                "whose rollouts carry no reward; pass reward_funcs, or a loop_cls whose "
-                "generate_one returns Rollout(..., reward=...)")
+                "whose rollouts carry no reward; pass reward_funcs, an environment with "
+                "get_reward(), or a loop_cls whose generate_one returns "
+                "Rollout(..., reward=...)")
         self._check_picklable()
         run = self.run = self._new_run(resume_from_checkpoint)
         run.interrupt_after_step = interrupt_after_step

@@ -1,0 +1,414 @@
+"""Agent rollouts (issue 13, items 1-4 and 7): tools, environments, the multi-turn loop and its
+metrics; the units first, then real runs (worker, embedded server) of the counter example on
+a policy warm-started to call its tool."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprorl import base_model
+from reprorl.grpo import AsyncGRPOTrainer
+from reprorl.grpo.agents import (
+    EnvironmentPool,
+    call_tool,
+    check_prefix_preserving,
+    check_tools,
+    observe,
+    parse_tool_calls,
+    probe_environments,
+)
+from reprorl.grpo.rollout import AsyncRolloutLoop, TurnRecord, reconcile_turns
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the spawned worker inherits sys.path
+
+import counter_env  # noqa: E402
+from counter_env import IncrementEnv  # noqa: E402
+
+# ---------------------------------------------------------------- tools and environments
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+async def async_add(a: int, b: int) -> int:
+    """Add two integers, awaited.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+def broken(a: int) -> int:
+    """Always raises.
+
+    Args:
+        a: Ignored.
+    """
+    raise ValueError("no luck")
+
+
+def slow(a: int) -> int:
+    """Sleeps.
+
+    Args:
+        a: Ignored.
+    """
+    time.sleep(2)
+    return a
+
+
+class FaultyEnv(IncrementEnv):
+    """Its tool raises; its reset checks what the row hands it."""
+
+    def reset(self, **row) -> None:
+        if "environment" in row or "prompt" not in row:
+            raise AssertionError(f"reset got {sorted(row)}")
+        super().reset(**row)
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: the amount
+        """
+        raise ValueError(f"counter jammed at step {step}")
+
+
+class SlowEnv(IncrementEnv):
+    """Its tool outruns tool_timeout."""
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: the amount
+        """
+        time.sleep(3)
+        return super().increment(step)
+
+
+class NoResetEnv:
+    def act(self, x: int) -> int:
+        """Act.
+
+        Args:
+            x: How.
+        """
+        return x
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+class RecordingLoop(AsyncRolloutLoop):
+    """The default tool loop, each finished rollout appended to <output_dir>/rollouts.jsonl."""
+
+    async def generate_one(self, prompt, tools, group_id=0):
+        rollout = await super().generate_one(prompt, tools, group_id)
+        record = {"tools": sorted(getattr(t, "__name__", "") for t in tools),
+                  "completion": rollout.completion,
+                  "turns": [[t.prompt_ids, t.output_ids, t.finish_reason]
+                            for t in rollout.turns],
+                  "logprobs": [t.output_log_probs for t in rollout.turns],
+                  "calls": [[c.name, c.failed, c.unknown, c.result]
+                            for c in rollout.tool_calls],
+                  "exhausted": rollout.loop_exhausted}
+        with open(Path(self.config.output_dir) / "rollouts.jsonl", "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        return rollout
+
+
+def test_tool_calls_parse_as_qwen_writes_them():
+    text = ('Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+            '\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}\n'
+            '</tool_call>')
+    content, calls = parse_tool_calls(text)
+    assert content == "Sure."
+    assert calls == [{"name": "add", "arguments": {"a": 1, "b": 2}},
+                     {"name": "add", "arguments": {"a": 3, "b": 4}}]
+    for malformed in ('<tool_call>\n{"name": "add", "arguments": {"a": 1\n</tool_call>',
+                      '<tool_call>{"arguments": {}}</tool_call>', "<tool_call>[1]</tool_call>",
+                      '<tool_call>\n{"name": "add"', "no call at all"):
+        assert parse_tool_calls(malformed) == (malformed, [])  # plain text: nothing called
+
+
+def test_tools_are_checked_by_name_schema_and_picklability():
+    assert check_tools([add, async_add]) == [add, async_add]
+    with pytest.raises(TypeError, match="lambda or a closure"):
+        check_tools([lambda a: a])
+
+    def local(a: int) -> int:
+        """Local.
+
+        Args:
+            a: A.
+        """
+        return a
+
+    with pytest.raises(TypeError, match="module level"):
+        check_tools([local])
+    with pytest.raises(ValueError, match="undocumented.*Google-style docstring"):
+        check_tools([undocumented])
+    with pytest.raises(ValueError, match="two tools are named 'add'"):
+        check_tools([add, add])
+    with pytest.raises(TypeError, match="no reset"):
+        probe_environments({None: NoResetEnv})
+    assert probe_environments({"a": IncrementEnv, "b": FaultyEnv}) == {"a": True, "b": True}
+
+
+def test_calls_run_sync_async_and_fail_without_stopping_the_rollout():
+    tools = {f.__name__: f for f in (add, async_add, broken, slow)}
+
+    async def run():
+        with ThreadPoolExecutor(4) as pool:
+            return await asyncio.gather(
+                call_tool(tools, "add", {"a": 1, "b": 2}, pool, 1.0),
+                call_tool(tools, "async_add", {"a": 1, "b": 2}, pool, 1.0),
+                call_tool(tools, "broken", {"a": 1}, pool, 1.0),
+                call_tool(tools, "slow", {"a": 1}, pool, 0.2),
+                call_tool(tools, "add", {"c": 1}, pool, 1.0),
+                call_tool(tools, "nope", {}, pool, 1.0))
+
+    ok, awaited, raised, late, bad_args, unknown = asyncio.run(run())
+    assert (ok.result, ok.failed, awaited.result) == ("3", False, "3")
+    assert raised.failed and json.loads(raised.result) == {"error": "ValueError: no luck"}
+    assert late.failed and "timed out after 0.2 s" in late.result
+    assert bad_args.failed and "TypeError" in bad_args.result
+    assert unknown.failed and unknown.unknown and "no tool named 'nope'" in unknown.result
+
+
+def test_environments_route_by_column_and_reset_extends_the_prompt():
+    pool = EnvironmentPool({"counter": IncrementEnv, "faulty": FaultyEnv})
+    assert pool.key_of({"environment": "faulty"}) == "faulty"
+    with pytest.raises(ValueError, match="environment='game'.*\\['counter', 'faulty'\\]"):
+        pool.key_of({"environment": "game"})
+    first = pool.take("counter")
+    pool.give_back("counter", first)
+    assert pool.take("counter") is first  # reused across episodes
+    assert pool.take("counter") is not first  # a second rollout in flight gets its own
+    prompt = [{"role": "user", "content": "Go."}]
+    assert observe(prompt, " Target 3.") == [{"role": "user", "content": "Go. Target 3."}]
+    assert prompt == [{"role": "user", "content": "Go."}]  # the row is left as it was
+    assert observe(None, "Reach 4.") == [{"role": "user", "content": "Reach 4."}]
+
+
+# old: the embedded template before tools, kept here to prove plain chats render the same
+OLD_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\n" + base_model.SYSTEM_PROMPT + "<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_the_embedded_template_renders_tools_and_leaves_plain_chats_as_they_were(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    chats = [[{"role": "user", "content": "hi"}],
+             [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}]]
+    for chat in chats:
+        for generation in (True, False):
+            assert tokenizer.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=generation) == (
+                tokenizer.apply_chat_template(chat, tokenize=False, chat_template=OLD_TEMPLATE,
+                                              add_generation_prompt=generation))
+    check_prefix_preserving(tokenizer)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "sum"}, {"role": "assistant", "content": "", "tool_calls":
+                                              [call, call]},
+         {"role": "tool", "name": "add", "content": "3"},
+         {"role": "tool", "name": "add", "content": "3"}],
+        tools=[add], tokenize=False, add_generation_prompt=True)
+    assert '"name": "add", "description": "Add two integers."' in text
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+        '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n'
+        '<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
+    # the same parser reads what the template writes
+    reply = text.split("<|im_start|>assistant\n")[-2].split("<|im_end|>")[0]
+    assert parse_tool_calls(reply)[1] == [call["function"], call["function"]]
+    tokenizer.chat_template = OLD_TEMPLATE
+    with pytest.raises(ValueError, match="does not render tools"):
+        check_prefix_preserving(tokenizer)
+
+
+def test_tool_messages_are_context_and_every_generated_token_trains_once():
+    turns = [TurnRecord([1, 2], [3, 4]), TurnRecord([1, 2, 3, 4, 9, 9], [5]),  # extends
+             TurnRecord([1, 2, 7, 9], [6, 8])]  # re-rendered: a fork
+    sequences, drifts = reconcile_turns(turns)
+    assert drifts == [0, 5]
+    assert [s.input_ids for s in sequences] == [[1, 2, 3, 4, 9, 9, 5], [1, 2, 7, 9, 6, 8]]
+    assert [s.trained for s in sequences] == [[0, 0, 1, 1, 0, 0, 1], [0, 0, 0, 0, 1, 1]]
+
+
+def test_no_reward_source_is_refused_when_training_starts(tiny_model, tmp_path):
+    class Unscored(IncrementEnv):
+        get_reward = None
+
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), train_dataset=counter_env.rows(1),
+                               args=counter_env_args(tmp_path), environment_factory=Unscored)
+    with pytest.raises(ValueError, match="nothing scores a completion"):
+        trainer.train()
+    assert not (tmp_path / "out").exists()
+
+
+def counter_env_args(tmp_path):
+    from reprorl.grpo import AsyncGRPOConfig
+
+    return AsyncGRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, disable_tqdm=True)
+
+
+def test_an_environment_without_a_dataset_needs_max_steps(tiny_model):
+    from reprorl.grpo import AsyncGRPOConfig
+
+    with pytest.raises(ValueError, match="set max_steps > 0"):
+        AsyncGRPOTrainer(model=str(tiny_model), args=AsyncGRPOConfig(output_dir="x"),
+                         environment_factory=IncrementEnv)
+
+
+# ---------------------------------------------------------------- real runs
+
+
+@pytest.fixture(scope="module")
+def tool_caller(tiny_model, tmp_path_factory) -> Path:
+    """The CI base, warm-started on the example's demonstrations (about 20 s)."""
+    return counter_env.warm_start(tiny_model, tmp_path_factory.mktemp("agents") / "policy")
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def windows(output: Path) -> list[dict]:
+    return [w for w in read_lines(output / "metrics.jsonl") if "loss" in w]
+
+
+@pytest.fixture(scope="module")
+def counter_run(tool_caller, tmp_path_factory):
+    output = tmp_path_factory.mktemp("counter") / "out"
+    started = time.monotonic()
+    counter_env.train(tool_caller, output, max_steps=3, loop_cls=RecordingLoop,
+                      log=lambda message: None)
+    return output, time.monotonic() - started
+
+
+@pytest.mark.timeout(240)
+def test_the_counter_example_calls_executes_masks_and_counts_its_tool(counter_run,
+                                                                      tool_caller):
+    output, seconds = counter_run
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_caller)
+    rollouts = read_lines(output / "rollouts.jsonl")
+    called = [r for r in rollouts if r["calls"]]
+    assert len(called) >= len(rollouts) // 2, "the warm start should call its tool"
+    for rollout in rollouts:
+        assert rollout["tools"] == ["increment"]  # the environment's method, nothing else
+        turns = [TurnRecord(p, o, finish_reason=f) for p, o, f in rollout["turns"]]
+        texts = [tokenizer.decode(o) for _, o, _ in rollout["turns"]]
+        # parsed: every call of a turn the loop went on from, executed in the environment
+        written = [c for text in texts[:-1] for c in parse_tool_calls(text)[1]]
+        assert [c[0] for c in rollout["calls"]] == [c["name"] for c in written]
+        counter = 0
+        for (name, failed, unknown, result), call in zip(rollout["calls"], written):
+            assert (name, failed, unknown) == ("increment", False, False)
+            counter += call["arguments"]["step"]
+            assert result == str(counter)
+        # masked: the tool's answer is in the next turn's prompt, never a trained token
+        sequences, _ = reconcile_turns(turns)
+        generated = sum(len(o) for _, o, _ in rollout["turns"])
+        assert sum(sum(s.trained) for s in sequences) == generated  # each trained once
+        if rollout["calls"]:
+            answer = tokenizer(f"<tool_response>\n{rollout['calls'][0][3]}\n</tool_response>",
+                               add_special_tokens=False)["input_ids"]
+            second = turns[1].prompt_ids
+            start = next(i for i in range(len(second))
+                         if second[i:i + len(answer)] == answer)
+            trained = sequences[-1].trained
+            assert not any(trained[start:start + len(answer)])
+    # counted: the windows agree with the rollouts of the positions trained
+    lines = windows(output)
+    assert len(lines) == 3
+    calls = sum(w["tools/increment/call_count"] for w in lines)
+    assert calls > 0 and sum(w["tools/unknown_name_count"] for w in lines) == 0
+    for w in lines:
+        assert w["tools/failure_frequency"] == 0.0 and w["tools/loop_exhausted_frac"] == 0.0
+        assert 0 < w["tools/call_frequency"] <= 1 and w["tools/parallel_calls_mean"] == 1.0
+        assert "rewards/IncrementEnv/mean" in w
+    for name in ("env/reset_s", "env/reward_s", "tools/latency_s", "tools/increment/latency_s",
+                 "rollout/turns_mean", "rollout/turns_max"):  # timings: the worker's queue
+        assert any(name in w for w in lines), name
+    assert max(w.get("rollout/turns_max", 0) for w in lines) == 2.0
+    print(json.dumps({"counter_example_s": round(seconds, 1), "windows": [
+        {k: w[k] for k in ("step", "reward", "tools/call_frequency", "rollout/turns_mean",
+                           "tools/increment/call_count")} for w in lines]}))
+
+
+@pytest.mark.timeout(240)
+def test_routing_failing_and_slow_tools_and_a_template_that_forks(tool_caller, tmp_path):
+    """Rows pick their environment by column; a raising tool and a tool past tool_timeout
+    fail the call, not the run; a template that re-renders the arguments otherwise than the
+    model wrote them forks every tool turn into a new sample."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tool_caller)
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "call['arguments'] | tojson }}", "call['arguments'] | tojson(indent=1) }}")
+    rows = counter_env.rows(1)
+    for row, name in zip(rows, ["counter", "faulty", "slow"] * 2):
+        row["environment"] = name
+    output = tmp_path / "out"
+    counter_env.train(
+        tool_caller, output, max_steps=1, loop_cls=RecordingLoop, log=lambda message: None,
+        train_dataset=rows, reward_funcs=length_reward, processing_class=tokenizer,
+        environment_factory={"counter": IncrementEnv, "faulty": FaultyEnv, "slow": SlowEnv},
+        tool_timeout=0.5, num_generations=4, groups_per_step=6)  # every row in the one step
+    rollouts = read_lines(output / "rollouts.jsonl")
+    results = [c[3] for r in rollouts for c in r["calls"]]
+    assert any("ValueError: counter jammed" in r for r in results)
+    assert any("increment timed out after 0.5 s" in r for r in results)
+    assert any(r.isdigit() for r in results)
+    lines = windows(output)
+    assert sum(w["tools/increment/failure_count"] for w in lines) > 0
+    assert any(0 < w["tools/failure_frequency"] for w in lines)
+    # every rollout that called a tool was re-rendered differently: two samples
+    from reprorl.grpo.rollout import reconcile_turns as reconcile
+
+    multi = [r for r in rollouts if len(r["turns"]) > 1]
+    assert multi
+    for rollout in multi:
+        turns = [TurnRecord(p, o) for p, o, _ in rollout["turns"]]
+        sequences, drifts = reconcile(turns)
+        assert len(sequences) == len(turns) and all(d > 0 for d in drifts)
+        assert sum(sum(s.trained) for s in sequences) == sum(len(t.output_ids) for t in turns)
+    assert torch.isfinite(torch.tensor([w["loss"] for w in lines])).all()
