@@ -313,12 +313,16 @@ def windows(output: Path) -> list[dict]:
     return [w for w in read_lines(output / "metrics.jsonl") if "loss" in w]
 
 
+# the counter runs sample with top-k/top-p: tools and candidate sets together
+TRUNCATED = {"top_k": 20, "top_p": 0.95}
+
+
 @pytest.fixture(scope="module")
 def counter_run(tool_caller, tmp_path_factory):
     output = tmp_path_factory.mktemp("counter") / "out"
     started = time.monotonic()
     counter_env.train(tool_caller, output, max_steps=3, loop_cls=RecordingLoop,
-                      log=lambda message: None)
+                      log=lambda message: None, **TRUNCATED)
     return output, time.monotonic() - started
 
 
@@ -369,9 +373,35 @@ def test_the_counter_example_calls_executes_masks_and_counts_its_tool(counter_ru
                  "rollout/turns_mean", "rollout/turns_max"):  # timings: the worker's queue
         assert any(name in w for w in lines), name
     assert max(w.get("rollout/turns_max", 0) for w in lines) == 2.0
+    # step 1 trains samples of the policy it samples with (schedule_lag=1 makes later steps
+    # one version stale): renormalised over the sets, its ratios are 1 to float error
+    assert abs(lines[0]["sampling/importance_sampling_ratio/mean"] - 1) < 1e-4
     print(json.dumps({"counter_example_s": round(seconds, 1), "windows": [
-        {k: w[k] for k in ("step", "reward", "tools/call_frequency", "rollout/turns_mean",
-                           "tools/increment/call_count")} for w in lines]}))
+        {k: w.get(k) for k in ("step", "reward", "tools/call_frequency", "rollout/turns_mean",
+                               "tools/increment/call_count")} for w in lines]}))
+
+
+@pytest.mark.timeout(240)
+def test_a_pure_tool_and_truncation_keep_a_fixed_schedule_run_bitwise_reproducible(
+        counter_run, tool_caller, tmp_path):
+    """Found on the way: before the loss gathered its columns with index_select, these runs
+    ended on other bits run to run (advanced indexing's backward adds with CPU atomics)."""
+    first, _ = counter_run
+    second = tmp_path / "again"
+    counter_env.train(tool_caller, second, max_steps=3, loop_cls=RecordingLoop,
+                      log=lambda message: None, **TRUNCATED)
+    checkpoint = first / "checkpoint-3"
+    files = sorted(p.relative_to(checkpoint) for p in checkpoint.rglob("*") if p.is_file())
+    assert files, "the run saved no checkpoint at step 3"
+    for name in files:
+        assert (checkpoint / name).read_bytes() == (
+            second / "checkpoint-3" / name).read_bytes(), name
+    from reprorl.grpo.metrics import reproducible
+
+    def content(lines):
+        return [{k: v for k, v in w.items() if reproducible(k)} for w in lines]
+
+    assert content(windows(first)) == content(windows(second))
 
 
 @pytest.mark.timeout(240)

@@ -240,8 +240,12 @@ def test_config_defaults_and_refusals():
         8, 4, 8, 0.5, 5.0, 512, 1e-6, 0.2)
     assert all(AsyncGRPOConfig.help().values())
     pickle.dumps(config)
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match="need top_k > 0"):
         AsyncGRPOConfig(top_p=0.9)
+    with pytest.raises(ValueError, match="need top_k > 0"):
+        AsyncGRPOConfig(min_p=0.1)
+    assert AsyncGRPOConfig(top_p=0.9, top_k=20).truncated_sampling
+    assert not AsyncGRPOConfig().truncated_sampling
     with pytest.raises(ValueError, match="max_steps"):
         AsyncGRPOConfig(lr_scheduler_type="linear")
     assert (config.gradient_checkpointing, config.bf16, config.ignore_data_skip, config.optim,

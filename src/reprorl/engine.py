@@ -63,6 +63,7 @@ class Params:
     logprobs: int | None = None
     eos_id: int | None = None
     stop_ids: frozenset = frozenset()
+    sampling_mask: bool = False  # keep each sampled token's candidate set (vLLM's flag)
 
 
 def processed_logprobs(logits: torch.Tensor, p: Params) -> torch.Tensor:
@@ -94,6 +95,8 @@ class Sequence:
     loop: asyncio.AbstractEventLoop | None = None
     generated: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)  # (sampled lp, top ids, top lps) per token
+    masks: list = field(default_factory=list)  # per token, the ids it could have been
+    ranks: list = field(default_factory=list)  # per token, its rank among the log-probs
     slot: int | None = None  # its row of the KV slots while it runs
     finish_reason: str | None = None
     stop_reason: int | None = None
@@ -446,6 +449,9 @@ class Engine(threading.Thread):
         if p.logprobs is not None:
             top = scores.topk(p.logprobs)
             seq.logprobs.append((float(scores[token]), top.indices.tolist(), top.values.tolist()))
+            seq.ranks.append(1 + int((scores > scores[token]).sum()))
+        if p.sampling_mask:  # what survived temperature, min-p, top-k and top-p
+            seq.masks.append(torch.isfinite(scores).nonzero().flatten().tolist())
         seq.generated.append(token)
         self.counters["generation_tokens"] += 1
         if token == p.eos_id:

@@ -62,6 +62,10 @@ class MicroBatch:
     top_ids: torch.Tensor  # (B, W, K) sampler top tokens (0 where missing)
     top_sampler_logp: torch.Tensor  # (B, W, K) their sampler log-probs (-inf where missing)
     advantages: torch.Tensor  # (B,)
+    # (B, W, C) the ids each column was sampled from under truncation, and which are real
+    # (None: every column was sampled from the whole vocabulary)
+    candidates: torch.Tensor | None
+    candidates_valid: torch.Tensor | None
     row_tokens: list[int]  # tokens forwarded per row
     row_samples: list[int]  # samples per row
     row_costs: list[int]  # attention pairs per row
@@ -109,7 +113,25 @@ def loss_columns(samples: list, top_k: int, pad_id: int) -> dict[str, torch.Tens
                 top_logp[b, c, : len(best)] = torch.tensor([v for _, v in best])
     return {"trained": trained, "targets": targets, "sampler_logp": sampler,
             "top_ids": top_ids, "top_sampler_logp": top_logp,
-            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32)}
+            "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
+            **candidate_columns(samples, width)}
+
+
+def candidate_columns(samples: list, width: int) -> dict:
+    """Each column's candidate set (`TrainingSequence.sampling_mask`), padded to the largest;
+    None when no token of the batch was sampled under truncation."""
+    sets = [(s.sequence.sampling_mask or [])[max(0, s.tokens - width):] for s in samples]
+    size = max((len(ids) for row in sets for ids in row if ids), default=0)
+    if size == 0:
+        return {"candidates": None, "candidates_valid": None}
+    candidates = torch.zeros((len(samples), width, size), dtype=torch.long)
+    valid = torch.zeros((len(samples), width, size), dtype=torch.bool)
+    for b, row in enumerate(sets):
+        for c, ids in enumerate(row, start=width - len(row)):
+            if ids:
+                candidates[b, c, : len(ids)] = torch.tensor(ids)
+                valid[b, c, : len(ids)] = True
+    return {"candidates": candidates, "candidates_valid": valid}
 
 
 class Plan:

@@ -3,7 +3,9 @@
 Only documented parts of vLLM's OpenAI server are used: `/v1/completions` with a token-id
 prompt, `return_token_ids`, `return_tokens_as_token_ids` and `logprobs=k` (processed
 log-probs when the server runs `--logprobs-mode processed_logprobs`), `/health`, `/v1/models`
-(`max_model_len`), `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`.
+(`max_model_len`), `/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`; with
+top-k/top-p/min-p, `/inference/v1/generate` (`--enable-scale-out`), whose `sampling_mask`
+(`--return-sampling-mask`) holds each sampled token's candidate set.
 
 `CompletionClient` (asyncio, aiohttp) runs in the rollout worker; a failed request (connection
 error, timeout, HTTP 5xx, which includes a server's 503 "overloaded") is retried `max_retries`
@@ -31,6 +33,24 @@ class Completion:
     logprobs: list[float]
     top_logprobs: list[dict[int, float]]
     finish_reason: str  # "stop" or "length"
+    sampling_mask: list[list[int]] | None = None  # per token, its candidate set
+
+
+def parse_generate(body: dict) -> Completion:
+    """`/inference/v1/generate`'s answer: token ids, `logprobs.content` and `sampling_mask`."""
+    choice = body["choices"][0]
+    ids = list(choice["token_ids"])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if len(content) != len(ids):
+        raise ValueError(f"{len(ids)} tokens but {len(content)} log-probs: request logprobs")
+    mask = choice.get("sampling_mask")
+    if mask is not None and len(mask) != len(ids):
+        raise ValueError(f"{len(ids)} tokens but {len(mask)} candidate sets")
+    tops = [{int(t["token_id"]): float(t["logprob"]) for t in item.get("top_logprobs") or []}
+            for item in content]
+    reason = "stop" if choice.get("finish_reason") == "stop" else "length"
+    return Completion(ids, [float(item["logprob"]) for item in content], tops, reason,
+                      None if mask is None else [list(m) for m in mask])
 
 
 def _token_id(key: str) -> int:
@@ -114,18 +134,29 @@ class CompletionClient:
             await self.session.close()
 
     async def complete(self, model: str, prompt_ids: list[int], max_tokens: int,
-                       temperature: float, seed: int, logprobs: int) -> tuple[Completion, int]:
+                       temperature: float, seed: int, logprobs: int,
+                       truncation: dict | None = None, sampling_mask: bool = False
+                       ) -> tuple[Completion, int]:
+        """One sampling request; `truncation` ({"top_k": ..., "top_p": ..., "min_p": ...})
+        is sent as is, and `sampling_mask` asks `/inference/v1/generate` for the sets."""
         import aiohttp
 
-        body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                "temperature": temperature, "seed": seed, "logprobs": logprobs, "n": 1,
-                "return_token_ids": True, "return_tokens_as_token_ids": True,
-                "skip_special_tokens": False, "stream": False}
+        if sampling_mask:
+            path, parse = "/inference/v1/generate", parse_generate
+            body = {"model": model, "token_ids": prompt_ids, "sampling_params": {
+                "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+                "logprobs": logprobs, "n": 1, "skip_special_tokens": False,
+                **(truncation or {})}}
+        else:
+            path, parse = "/v1/completions", parse_completion
+            body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
+                    "temperature": temperature, "seed": seed, "logprobs": logprobs, "n": 1,
+                    "return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "skip_special_tokens": False, "stream": False, **(truncation or {})}
         retries, last = 0, None
         while True:
             try:
-                async with self.session.post(f"{self.base_url}/v1/completions",
-                                             json=body) as response:
+                async with self.session.post(f"{self.base_url}{path}", json=body) as response:
                     text = await response.text()
                     if response.status == 401:
                         raise ServerRequestError(unauthorised(self.base_url, self.api_key), 401)
@@ -134,7 +165,7 @@ class CompletionClient:
                             raise ServerRequestError(
                                 f"the generation server refused a request (HTTP "
                                 f"{response.status}): {text[:500]}", response.status)
-                        return parse_completion(json.loads(text)), retries
+                        return parse(json.loads(text)), retries
                     last = f"HTTP {response.status}: {text[:200]}"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
                 last = f"{type(error).__name__}: {error}"
@@ -263,6 +294,24 @@ class ServerAdmin:
         response = self.request("GET", "/v1/models")
         response.raise_for_status()
         return int(response.json()["data"][0]["max_model_len"])
+
+    def sampling_mask_missing(self, model: str, prompt_ids: list[int]) -> str | None:
+        """Why the server cannot return candidate sets (None: it can): a one-token
+        `/inference/v1/generate` with top_k, whose answer must carry `sampling_mask`."""
+        response = self.request("POST", "/inference/v1/generate", json={
+            "model": model, "token_ids": prompt_ids, "sampling_params": {
+                "max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 0}})
+        if response.status_code in (403, 404, 405):
+            return (f"it has no token-in/token-out endpoint (HTTP {response.status_code} on "
+                    "/inference/v1/generate: start it with --enable-scale-out, vLLM >= 0.28)")
+        if response.status_code != 200:
+            return f"/inference/v1/generate answered HTTP {response.status_code}: " + (
+                server_message(response.text))
+        if response.json()["choices"][0].get("sampling_mask") is None:
+            return ("it returns no sampling_mask (start it with --return-sampling-mask "
+                    "--logprobs-mode processed_logprobs; vLLM's model runner V2, which its CPU "
+                    "build lacks)")
+        return None
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         response = self.request("POST", "/v1/load_lora_adapter", json={

@@ -94,9 +94,12 @@ class AsyncGRPOConfig:
     num_generations: int = option(8, "Rollouts per prompt (a group).")
     max_completion_length: int = option(2048, "Tokens generated per sampling request at most.")
     temperature: float = option(1.0, "Sampling temperature; the trainer scores with the same one.")
-    top_p: float = option(1.0, "Nucleus sampling (only 1.0 here).")
-    top_k: int = option(0, "Top-k sampling (only 0 here).")
-    min_p: float | None = option(None, "Min-p sampling (only None).")
+    top_p: float = option(
+        1.0, "Nucleus sampling, in (0, 1]; below 1 needs top_k (it bounds the candidate set).")
+    top_k: int = option(
+        0, "Keep the k likeliest tokens (0: off); the trainer renormalises over each set.")
+    min_p: float | None = option(
+        None, "Drop tokens below min_p x the top probability (None/0: off); needs top_k.")
     chat_template_kwargs: dict | str | None = field(default=None, metadata={
         "help": "Extra keyword arguments for apply_chat_template (a dict or its JSON)."})
     max_tool_calling_iterations: int | None = option(
@@ -210,9 +213,9 @@ class AsyncGRPOConfig:
         if not self.ignore_data_skip:
             yield ("ignore_data_skip=False would replay trained batches: a resume continues "
                    "from rollout_state.json instead; keep it True")
-        if self.top_p != 1.0 or self.top_k not in (0, -1) or self.min_p not in (None, 0.0):
-            yield ("top_p/top_k/min_p truncation needs the sampling-mask path, not built yet: "
-                   "keep top_p=1.0, top_k=0, min_p=None")
+        if (self.top_p < 1 or (self.min_p or 0) > 0) and self.top_k <= 0:
+            yield ("top_p < 1 and min_p > 0 need top_k > 0: the server bounds each token's "
+                   "candidate set, which the trainer renormalises over, by top_k")
         if self.synchronous and self.schedule_lag != 0:  # __post_init__ set None to 0
             yield "synchronous=True is schedule_lag=0: leave schedule_lag unset"
         if self.schedule_lag is not None and self.weight_sync_steps != 1:
@@ -257,6 +260,10 @@ class AsyncGRPOConfig:
                      "groups_per_step"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 yield f"{name} must be >= 1"
+        if not 0 < self.top_p <= 1:
+            yield "top_p must be in (0, 1]"
+        if self.top_k < -1 or (self.min_p is not None and not 0 <= self.min_p <= 1):
+            yield "top_k must be >= 0 (-1 or 0: off) and min_p in [0, 1]"
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             yield "max_tool_calling_iterations must be >= 0 (or None: no limit)"
         for name in ("max_staleness", "vllm_max_retries", "num_sampler_logprobs",
@@ -295,6 +302,11 @@ class AsyncGRPOConfig:
         if self.schedule_lag is None:
             return None
         return max(0, position // self.groups_per_step - self.schedule_lag)
+
+    @property
+    def truncated_sampling(self) -> bool:
+        """Whether top-k/top-p/min-p restrict what the sampler draws from."""
+        return self.top_k > 0 or self.top_p < 1 or (self.min_p or 0) > 0
 
     @property
     def data_order_seed(self) -> int:

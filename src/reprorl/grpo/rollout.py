@@ -71,6 +71,8 @@ class TurnRecord:
     output_ids: list[int]
     output_log_probs: list[float] = field(default_factory=list)
     output_mask: list[int] | None = None  # 1 = train on the token (None: all)
+    # per token, the ids it was drawn from under top-k/top-p/min-p (None: the vocabulary)
+    output_sampling_mask: list[list[int]] | None = None
     output_sampler_logprobs: list[dict[int, float]] | None = None  # sampler top tokens
     finish_reason: str = "stop"  # "stop" (EOS or stop token) or "length"
 
@@ -100,6 +102,8 @@ class TrainingSequence:
     trained: list[int]  # 1 where the token is trained
     sampler_logprobs: list[float]  # per token; 0.0 for context
     sampler_top: list[dict[int, float] | None]  # per token; None for context
+    sampling_mask: list[list[int] | None] = field(default_factory=list)  # per token; None:
+    # the whole vocabulary (context, or a sampler without truncation)
 
 
 @dataclass
@@ -171,6 +175,7 @@ def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], li
         n = len(turn.output_ids)
         mask = turn.output_mask if turn.output_mask is not None else [1] * n
         top = turn.output_sampler_logprobs or [None] * n
+        candidates = turn.output_sampling_mask or [None] * n
         if current is not None and turn.prompt_ids[: len(current.input_ids)] == current.input_ids:
             extra = turn.prompt_ids[len(current.input_ids):]
             drifts.append(0)
@@ -182,13 +187,14 @@ def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], li
                         break
                     shared += 1
                 drifts.append(len(current.input_ids) - shared)
-            current = TrainingSequence([], [], [], [])
+            current = TrainingSequence([], [], [], [], [])
             sequences.append(current)
             extra = list(turn.prompt_ids)
         current.input_ids += extra + list(turn.output_ids)
         current.trained += [0] * len(extra) + list(mask)
         current.sampler_logprobs += [0.0] * len(extra) + list(turn.output_log_probs)
         current.sampler_top += [None] * len(extra) + list(top)
+        current.sampling_mask += [None] * len(extra) + list(candidates)
     return [s for s in sequences if any(s.trained)], drifts
 
 
@@ -253,7 +259,7 @@ class AsyncRolloutLoop:
                  tools=None, environment_factory=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
                  queued_tokens=None, queued_samples=None, stop_event=None,
-                 consumed_after_cursor=()):
+                 consumed_after_cursor=(), sampling_mask: bool = False):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
         self.eos_token_ids = set(eos_token_ids)
@@ -268,6 +274,7 @@ class AsyncRolloutLoop:
         self.queued_tokens, self.queued_samples = queued_tokens, queued_samples
         self.stop_event = stop_event
         self.consumed_after_cursor = set(consumed_after_cursor)  # a resume skips these
+        self.sampling_mask = sampling_mask  # the trainer found the server returns the sets
         self.request_number = 0
         self.in_flight_groups = 0
         self.in_flight_rollouts = 0
@@ -334,6 +341,11 @@ class AsyncRolloutLoop:
         top = self.config.num_sampler_logprobs if self.config.score_centering else 0
         settings = {"prompt_ids": prompt_ids, "max_tokens": self.config.max_completion_length,
                     "temperature": self.config.temperature, "seed": seed, "logprobs": top}
+        if self.config.truncated_sampling:  # the candidate sets too, when the server has them
+            truncation = {"top_k": self.config.top_k, "top_p": self.config.top_p}
+            if self.config.min_p is not None:
+                truncation["min_p"] = self.config.min_p
+            settings.update(truncation=truncation, sampling_mask=self.sampling_mask)
         model = _MODEL.get(self.model_name)
         try:
             reply, retries = await self.client.complete(model=model, **settings)
@@ -347,6 +359,7 @@ class AsyncRolloutLoop:
             reply, retries = await self.client.complete(model=self.served_name(), **settings)
         self.record("rollout/vllm_retry_count", retries)  # 0s too: the metric is always there
         return TurnRecord(prompt_ids, reply.token_ids, reply.logprobs,
+                          output_sampling_mask=reply.sampling_mask,
                           output_sampler_logprobs=reply.top_logprobs if top else None,
                           finish_reason=reply.finish_reason)
 

@@ -1,7 +1,9 @@
 """An embedded CPU generation server speaking the part of vLLM's OpenAI API that GRPO uses.
 
 `reprorl serve --model DIR` loads a Hugging Face directory and serves `/health`, `/v1/models`,
-`/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter` and `/v1/completions` with
+`/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/completions` and (with
+`--enable-scale-out`) the token-in/token-out `/inference/v1/generate`, whose `sampling_mask`
+(`--return-sampling-mask`) gives each sampled token's candidate set, with
 vLLM's request and response shapes, so a client written against it runs unchanged against a real
 `vllm serve`; and, as vLLM does with `VLLM_SERVER_DEV_MODE=1`, `/collective_rpc` (its
 `reload_weights` method only: new full weights from a directory, applied between two engine
@@ -368,6 +370,7 @@ class Server:
             web.post("/v1/load_lora_adapter", self.load_lora),
             web.post("/v1/unload_lora_adapter", self.unload_lora),
             web.post("/v1/completions", self.completions),
+            web.post("/inference/v1/generate", self.generate),
             web.post("/collective_rpc", self.collective_rpc),
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
         ])
@@ -570,21 +573,20 @@ class Server:
     async def in_text_pool(self, work):
         return await asyncio.get_running_loop().run_in_executor(self.text_pool, work)
 
-    async def completions(self, request):
-        body = await self.body(request)
+    def model_of(self, body: dict) -> str:
+        """The request's model, checked, with the engine running and room in its queue."""
         model = self.text(body, "model") or self.name
         if model != self.name and model not in self.adapters:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
         if not self.engine.is_alive():
             raise ApiError(503, "The engine thread is not running.")
         self.refuse_if_overloaded()
-        prompt = await self.prompt(body.get("prompt"))
-        params = self.params(body, len(prompt))
-        seed = number(body, "seed", None, int)
+        return model
+
+    async def run(self, prompt: list[int], params: Params, model: str, seed) -> Sequence:
+        """Generate to the end; a client that goes away aborts its sequence."""
         generator = torch.Generator().manual_seed(
             self.rng.getrandbits(63) if seed is None else seed % (1 << 64))
-        reply = Reply.of(body, model)
-        del body  # a waiting request keeps only what its reply needs
         self.refuse_if_overloaded()  # again: others may have queued while this one tokenised
         loop = asyncio.get_running_loop()
         seq = Sequence(prompt, params, self.adapters.get(model), generator,
@@ -595,7 +597,56 @@ class Server:
         except asyncio.CancelledError:
             seq.aborted = True  # the client went away: the engine drops it at its next step
             raise
+        return seq
+
+    async def completions(self, request):
+        body = await self.body(request)
+        model = self.model_of(body)
+        prompt = await self.prompt(body.get("prompt"))
+        params = self.params(body, len(prompt))
+        seed = number(body, "seed", None, int)
+        reply = Reply.of(body, model)
+        del body  # a waiting request keeps only what its reply needs
+        seq = await self.run(prompt, params, model, seed)
         return web.json_response(await self.in_text_pool(lambda: self.response(seq, reply)))
+
+    async def generate(self, request):
+        """vLLM's `/inference/v1/generate` (`--enable-scale-out`): token ids in, token ids,
+        `logprobs.content` and, with `--return-sampling-mask`, `sampling_mask` (per generated
+        token, the ids it was drawn from) out."""
+        if not self.args.enable_scale_out:
+            raise ApiError(403, "Scale-out endpoints are disabled. Restart the server with "
+                           "--enable-scale-out to enable them.")
+        body = await self.body(request)
+        model = self.model_of(body)
+        prompt = await self.prompt(body.get("token_ids"))
+        settings = body.get("sampling_params") or {}
+        if not isinstance(settings, dict):
+            raise ApiError(400, "'sampling_params' must be an object.")
+        params = self.params(settings, len(prompt))
+        if self.args.return_sampling_mask:  # vLLM's per-request rule under the flag
+            if params.temperature <= 0 or params.top_k <= 0:
+                raise ApiError(400, "return_sampling_mask needs temperature > 0 and top_k > 0.")
+            params.sampling_mask = True
+        seed = number(settings, "seed", None, int)
+        request_id = body.get("request_id") or f"gen-{uuid.uuid4().hex}"
+        del body, settings
+        seq = await self.run(prompt, params, model, seed)
+        content = None
+        if seq.params.logprobs is not None:
+            content = [{"token_id": tid, "logprob": max(value, -9999.0), "rank": rank,
+                        "top_logprobs": [{"token_id": other, "logprob": max(v, -9999.0)}
+                                         for other, v in zip(ids, values)]}
+                       for tid, (value, ids, values), rank in zip(
+                           seq.generated, seq.logprobs, seq.ranks)]
+        choice = {"index": 0, "finish_reason": seq.finish_reason,
+                  "token_ids": list(seq.generated), "routed_experts": None,
+                  "sampling_mask": list(seq.masks) if seq.params.sampling_mask else None,
+                  "logprobs": None if content is None else {"content": content}}
+        used = {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.generated),
+                "total_tokens": seq.length}
+        return web.json_response({"request_id": request_id, "output_mode": "tokens",
+                                  "choices": [choice], "usage": used})
 
     def response(self, seq: Sequence, reply: Reply) -> dict:
         as_ids, model = reply.as_ids, reply.model
@@ -686,6 +737,10 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add("--max-loras", type=count(1), default=6)
     add("--max-lora-rank", type=count(1), default=16)
     add("--max-logprobs", type=count(0), default=20)
+    add("--enable-scale-out", action="store_true",
+        help="serve vLLM's token-in/token-out /inference/v1/generate")
+    add("--return-sampling-mask", action="store_true",
+        help="return each sampled token's candidate set (top-k/top-p/min-p) from generate")
     add("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
         help="auto: the checkpoint's dtype")
     add("--threads", type=count(1), default=1, help="torch threads")

@@ -317,6 +317,20 @@ def sequence_logprobs(model, args: AsyncGRPOConfig, prompt_ids: list[int],
     return scores.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
+def candidate_logmass(scores: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+    """log of the probability mass of each column's candidate set under `scores`, (B, W).
+
+    With top-k/top-p/min-p the sampler drew each token from a candidate set, renormalised
+    (its processed log-probs); the policy's log-prob of the token must be renormalised over
+    the same set, or every importance ratio is biased low by that mass (the seed's "top-k and
+    top-p sampling"). Columns without a set get 0: the whole vocabulary."""
+    if batch.candidates is None:
+        return torch.zeros_like(scores[..., 0])
+    inside = scores.gather(-1, batch.candidates).masked_fill(~batch.candidates_valid,
+                                                             float("-inf"))
+    return torch.where(batch.candidates_valid.any(-1), inside.logsumexp(-1), 0.0)
+
+
 def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
                     trained_tokens: int | None = None, forward=None
                     ) -> tuple[torch.Tensor, dict]:
@@ -327,15 +341,22 @@ def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
     quantity below is computed per trained token, whatever the layout."""
     with autocast_for(args):
         logits = kept_logits(model, batch, forward)
-    # log_softmax on the kept positions once, then one copy per column that reads them
-    scores = (logits.float() / args.temperature).log_softmax(-1)[batch.index]
+    # log_softmax on the kept positions once, then one copy per column that reads them.
+    # index_select, not `[batch.index]`: several columns read one position (a shared fork
+    # token, the untrained columns), and the backward of advanced indexing accumulates them
+    # with CPU atomics once the tensor is large (measured: multi-turn rows of ~500 tokens
+    # trained to other bits run to run); index_select's backward, index_add_, adds in order
+    flat = (logits.float() / args.temperature).log_softmax(-1)
+    scores = flat.index_select(0, batch.index.reshape(-1)).reshape(*batch.index.shape, -1)
     logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    mass = candidate_logmass(scores, batch)  # 0 where a column was sampled from everything
+    logp = logp - mass
     ratio, keep = importance_weights(logp.detach(), batch.sampler_logp,
                                      args.vllm_importance_sampling_clip_min,
                                      args.vllm_importance_sampling_clip_max)
     keep = keep & batch.trained
     if args.score_centering:
-        topk_logp = scores.gather(-1, batch.top_ids)
+        topk_logp = scores.gather(-1, batch.top_ids) - mass.unsqueeze(-1)
         per_token = centered_score_loss(logp, topk_logp, batch.top_sampler_logp,
                                         batch.advantages, ratio, keep)
     else:
@@ -416,6 +437,7 @@ class TrainingRun:
     samples: SampleQueue | None = None
     allowance: Any = None  # shared .value: tokens the worker may keep queued or in flight
     worker_metrics: Any = None  # queue of the worker's metric records
+    sampling_mask: bool = False  # the server returns candidate sets (top-k/top-p/min-p)
 
 
 @dataclass
@@ -567,6 +589,16 @@ class AsyncGRPOTrainer:
         if not args.embedded_server:  # a server started by somebody else: can it hold us?
             refuse_unfit_server(admin.base_url, admin.metrics(),
                                 args.max_staleness + 2 if args.use_peft else 0)
+        run.sampling_mask = False
+        if args.truncated_sampling:
+            missing = admin.sampling_mask_missing(self.model_path, self.eos_token_ids[:1])
+            run.sampling_mask = missing is None
+            if missing:
+                self.log(f"WARNING: top_k/top_p/min_p are set, but the server at "
+                         f"{admin.base_url} cannot say which tokens each one was drawn from: "
+                         f"{missing}. The trainer normalises over the whole vocabulary, so "
+                         "every importance ratio is biased low by the probability mass the "
+                         "truncation removed")
         setup = Setup(args.token_budget or admin.max_model_len(),
                       args.num_sampler_logprobs if args.score_centering else 1)
         run.batcher = self._batcher(setup)
@@ -608,6 +640,8 @@ class AsyncGRPOTrainer:
             command.append("--trust-remote-code")
         if args.embedded_server_max_model_len:
             command += ["--max-model-len", str(args.embedded_server_max_model_len)]
+        if args.truncated_sampling:  # as the seed's vLLM command: the candidate sets
+            command += ["--enable-scale-out", "--return-sampling-mask"]
         return ServerProcess(command, port_file, self.output_dir / "server.log")
 
     def serving_dtype(self) -> str:
@@ -638,7 +672,7 @@ class AsyncGRPOTrainer:
             "eos_token_ids": self.eos_token_ids, "rollout_buffer": groups,
             "model_version_value": run.version, "token_allowance": run.allowance,
             "metrics_queue": run.worker_metrics, "lora_name": run.weights.name,
-            "dataset_start_index": run.ledger.cursor,
+            "dataset_start_index": run.ledger.cursor, "sampling_mask": run.sampling_mask,
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor),
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
             **signals.worker_kwargs()}
