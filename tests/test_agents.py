@@ -5,7 +5,9 @@ a policy warm-started to call its tool."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import math
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,6 +69,19 @@ def broken(a: int) -> int:
         a: Ignored.
     """
     raise ValueError("no luck")
+
+
+def wait(timeout: float) -> str:
+    """Takes an argument named like the call's own timeout.
+
+    Args:
+        timeout: Seconds.
+    """
+    return f"waited {timeout}"
+
+
+def scaled(completions, k: float, **kwargs):
+    return [k] * len(completions)
 
 
 def slow(a: int) -> int:
@@ -180,7 +195,7 @@ def test_tools_are_checked_by_name_schema_and_picklability():
 
 
 def test_calls_run_sync_async_and_fail_without_stopping_the_rollout():
-    tools = {f.__name__: f for f in (add, async_add, broken, slow)}
+    tools = {f.__name__: f for f in (add, async_add, broken, slow, wait)}
 
     async def run():
         with ThreadPoolExecutor(4) as pool:
@@ -190,14 +205,47 @@ def test_calls_run_sync_async_and_fail_without_stopping_the_rollout():
                 call_tool(tools, "broken", {"a": 1}, pool, 1.0),
                 call_tool(tools, "slow", {"a": 1}, pool, 0.2),
                 call_tool(tools, "add", {"c": 1}, pool, 1.0),
-                call_tool(tools, "nope", {}, pool, 1.0))
+                call_tool(tools, "nope", {}, pool, 1.0),
+                call_tool(tools, "wait", {"timeout": 2}, pool, 1.0))
 
-    ok, awaited, raised, late, bad_args, unknown = asyncio.run(run())
+    ok, awaited, raised, late, bad_args, unknown, named = asyncio.run(run())
+    assert (named.result, named.failed) == ("waited 2", False)
+    assert late.timed_out and not raised.timed_out
     assert (ok.result, ok.failed, awaited.result) == ("3", False, "3")
     assert raised.failed and json.loads(raised.result) == {"error": "ValueError: no luck"}
     assert late.failed and "timed out after 0.2 s" in late.result
     assert bad_args.failed and "TypeError" in bad_args.result
     assert unknown.failed and unknown.unknown and "no tool named 'nope'" in unknown.result
+
+
+def test_every_reward_source_counts_also_two_of_one_name():
+    """Two partials of one function are two sources (their metrics share a name); an
+    environment's get_reward and Rollout.reward are summed with them."""
+    from reprorl.grpo import AsyncGRPOConfig
+    from reprorl.grpo.rollout import RolloutGroup
+
+    loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # _reward reads these three only
+    loop.reward_funcs = [functools.partial(scaled, k=1.0), functools.partial(scaled, k=10.0)]
+    loop.config, loop.reward_pool = AsyncGRPOConfig(), ThreadPoolExecutor(2)
+    group = RolloutGroup(
+        prompts=[[], []], reward_kwargs={}, completions=[[{"content": ""}]] * 2,
+        completions_ids=[[1], [2]], completions_sequences=[[], []], model_version=0,
+        group_id=0, row_index=0, rollout_rewards=[None, 0.5],
+        env_rewards=[(IncrementEnv, 2.0), None])
+    asyncio.run(loop._reward(group))
+    assert group.rewards.tolist() == [13.0, 11.5]
+    assert group.reward_by_func["IncrementEnv"][0] == 2.0
+    assert math.isnan(group.reward_by_func["IncrementEnv"][1])
+
+
+class SelfServingEnv(IncrementEnv):
+    """The seed's environment without a dataset: reset() makes the task and the prompt."""
+
+    def reset(self, **row) -> str:
+        if row:
+            raise AssertionError(f"an empty row was expected, got {row}")
+        self.counter, self.target = 0, 3
+        return "Increment the counter to 3."
 
 
 def test_environments_route_by_column_and_reset_extends_the_prompt():
@@ -442,3 +490,17 @@ def test_routing_failing_and_slow_tools_and_a_template_that_forks(tool_caller, t
         assert len(sequences) == len(turns) and all(d > 0 for d in drifts)
         assert sum(sum(s.trained) for s in sequences) == sum(len(t.output_ids) for t in turns)
     assert torch.isfinite(torch.tensor([w["loss"] for w in lines])).all()
+
+
+@pytest.mark.timeout(240)
+def test_an_environment_without_a_dataset_makes_its_own_prompts(tool_caller, tmp_path):
+    """No train_dataset: rows are an endless stream of empty rows; each reset() writes the
+    prompt. Groups whose rewards all agree are dropped without stopping the run."""
+    output = tmp_path / "out"
+    counter_env.train(tool_caller, output, max_steps=2, loop_cls=RecordingLoop,
+                      log=lambda message: None, train_dataset=None,
+                      environment_factory=SelfServingEnv, schedule_lag=None)
+    rollouts = read_lines(output / "rollouts.jsonl")
+    assert rollouts and all(r["tools"] == ["increment"] for r in rollouts)
+    lines = windows(output)
+    assert len(lines) == 2 and all("epoch" not in w for w in lines)

@@ -42,6 +42,7 @@ class ToolCall:
     failed: bool = False
     unknown: bool = False  # the name is no tool of this rollout (a policy error)
     latency_s: float = 0.0
+    timed_out: bool = False  # its thread may still run: its environment is not reused
 
 
 def tool_name(func) -> str:
@@ -103,8 +104,8 @@ def environment_tools(environment) -> list:
 
 
 def probe_environments(factories: dict) -> dict[str | None, bool]:
-    """Make one instance of each environment to check it (reset, tool schemas); returns, per
-    environment, whether it owns a reward (`get_reward`)."""
+    """Make one instance of each environment to check it (it has a reset(), its tools have
+    schemas); returns, per environment, whether it owns a reward (`get_reward`)."""
     owns_reward = {}
     for key, factory in factories.items():
         label = "environment" if key is None else f"environment {key!r}"
@@ -158,12 +159,13 @@ def result_text(value) -> str:
         return str(value)
 
 
-async def run_in_pool(func, pool, timeout: float, *args, **kwargs):
-    """Await `func(*args, **kwargs)`: a coroutine function on the loop, anything else in the
-    thread pool (with the caller's context), either within `timeout` seconds."""
+async def run_in_pool(func, pool, timeout: float, kwargs: dict):
+    """Await `func(**kwargs)`: a coroutine function on the loop, anything else in the thread
+    pool (with the caller's context), either within `timeout` seconds. (The arguments come as
+    one dict: a tool may name its own `timeout`.)"""
     if inspect.iscoroutinefunction(func):
-        return await asyncio.wait_for(func(*args, **kwargs), timeout)
-    call = functools.partial(contextvars.copy_context().run, func, *args, **kwargs)
+        return await asyncio.wait_for(func(**kwargs), timeout)
+    call = functools.partial(contextvars.copy_context().run, func, **kwargs)
     return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, call),
                                   timeout)
 
@@ -180,10 +182,12 @@ async def call_tool(tools: dict, name: str, arguments: dict, pool, timeout: floa
         return ToolCall(name, arguments, json.dumps({"error": message}), True, True)
     started = time.monotonic()
     try:
-        value = await run_in_pool(func, pool, timeout, **arguments)
+        value = await run_in_pool(func, pool, timeout, arguments)
         return ToolCall(name, arguments, result_text(value), latency_s=time.monotonic() - started)
     except TimeoutError:
-        error = f"{name} timed out after {timeout:g} s"
+        return ToolCall(name, arguments, json.dumps(
+            {"error": f"{name} timed out after {timeout:g} s"}), True,
+            latency_s=time.monotonic() - started, timed_out=True)
     except Exception as exception:  # noqa: BLE001 (the policy sees it, the run goes on)
         error = f"{type(exception).__name__}: {exception}"
     return ToolCall(name, arguments, json.dumps({"error": error}), True,

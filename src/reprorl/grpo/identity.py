@@ -61,6 +61,9 @@ def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1) -
     settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES}
     if args.lr_scheduler_type == "linear" or 0 < args.warmup_steps < 1:
         settings["max_steps"] = args.max_steps  # the schedule is a function of it
+    if not isinstance(rows, list):  # a stream (rows.StreamRows): read by the worker only
+        kind = type(rows.dataset)
+        rows = [f"stream of {kind.__module__}.{kind.__qualname__}"]
     try:
         data = json.dumps(rows, sort_keys=True, default=_json_like).encode()
     except TypeError as error:

@@ -57,6 +57,7 @@ from .agents import (
 from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 from .processes import die_with_parent
+from .rows import StreamRows, epoch_order, map_positions  # noqa: F401 (epoch_order: hooks')
 from .weights import served_name
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
@@ -124,8 +125,16 @@ class RolloutGroup:
     position: int = 0  # epoch * rows + index in the epoch order: the resume cursor's unit
     truncated: list[bool] = field(default_factory=list)
     reward_by_func: dict[str, list[float]] = field(default_factory=dict)
-    env_rewards: list[tuple[str, float] | None] = field(default_factory=list)  # class, value
+    env_rewards: list[tuple[type, float] | None] = field(default_factory=list)  # class, value
     rollouts: list[Rollout] = field(default_factory=list)
+
+    @property
+    def tool_call_counts(self) -> list[int]:
+        return [r.tool_call_count for r in self.rollouts]
+
+    @property
+    def tool_failure_counts(self) -> list[int]:
+        return [r.tool_failure_count for r in self.rollouts]
 
 
 @dataclass
@@ -212,16 +221,6 @@ def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[flo
         return in_flight_groups == 0
     estimate = sum(group_tokens) / len(group_tokens)
     return queued_tokens + (in_flight_groups + 1) * estimate <= allowance
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_order(seed: int, epoch: int, rows: int, shuffle: bool = True) -> tuple[int, ...]:
-    """The rows of an epoch: a seeded random order (`train_sampling_strategy="random"`) or the
-    dataset's (`"sequential"`). Positions count through it, so a resume cursor names the same
-    prompt in any process."""
-    if not shuffle:
-        return tuple(range(rows))
-    return tuple(int(i) for i in np.random.default_rng([seed, epoch]).permutation(rows))
 
 
 def request_seed(seed: int, rollout_key: int | None, request: int) -> int:
@@ -506,22 +505,32 @@ class AsyncRolloutLoop:
             self.record("rollout/backpressure_s", held_back)
 
     async def _produce(self) -> None:
-        rows = len(self.dataset)
+        stream = isinstance(self.dataset, StreamRows)
+        last = None if stream else len(self.dataset) - 1  # a stream's epochs end unannounced
         end = None
-        if self.config.max_steps <= 0:
-            end = math.ceil(self.config.num_train_epochs * rows)
-        position, accepted_in_epoch = self.start, 0
+        if self.config.max_steps <= 0:  # a stream has max_steps (rows.as_rows)
+            end = math.ceil(self.config.num_train_epochs * len(self.dataset))
+        source = self.dataset.positions(self.start) if stream else map_positions(
+            self.dataset, self.start, self.config.data_order_seed,
+            self.config.train_sampling_strategy == "random")
+        accepted_in_epoch, current_epoch = 0, None
         group_id, tasks = 0, set()
-        while not self.stopping() and (end is None or position < end):
-            epoch, index = divmod(position, rows)
+        while not self.stopping():
+            # a stream may read from disk or the network: off the loop, so heartbeats go on
+            position, epoch, index, row_index, row = (
+                await asyncio.to_thread(next, source) if stream else next(source))
+            if end is not None and position >= end:
+                break
+            if epoch != current_epoch:
+                if stream and current_epoch is not None and accepted_in_epoch == 0:
+                    raise RuntimeError(f"filter_prompt rejected every prompt of epoch "
+                                       f"{current_epoch}: no sample can reach the trainer; "
+                                       "loosen the filter")
+                current_epoch = epoch
             if index == 0:
                 accepted_in_epoch = 0
             if position in self.consumed_after_cursor:
-                position += 1
                 continue
-            row_index = epoch_order(self.config.data_order_seed, epoch, rows,
-                                    self.config.train_sampling_strategy == "random")[index]
-            row = self.dataset[row_index]
             if self.filter_prompt(row_index, row, epoch):
                 accepted_in_epoch += 1
                 await self._wait_for_room(position)
@@ -534,10 +543,9 @@ class AsyncRolloutLoop:
                 group_id += 1
             else:
                 self._put(GroupResult(position, [], "filtered"))
-            if index == rows - 1 and accepted_in_epoch == 0:
+            if index == last and accepted_in_epoch == 0:
                 raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no "
                                    "sample can reach the trainer; loosen the filter")
-            position += 1
         while tasks and not self.stopping():  # let the last groups finish
             await asyncio.sleep(0.05)
         await self.score_queue.join()
@@ -569,14 +577,14 @@ class AsyncRolloutLoop:
         finally:
             _MODEL.reset(token)
 
-    async def _environment_call(self, method, what: str, **kwargs):
+    async def _environment_call(self, method, what: str, kwargs: dict):
         """reset() or get_reward() in the tool pool; a failure there fails the run (it is the
         environment's fault, not the policy's)."""
         started = time.monotonic()
         label = f"{type(method.__self__).__name__}.{method.__name__}()"
         try:
             value = await run_in_pool(method, self.tool_pool, self.config.tool_timeout,
-                                      **kwargs)
+                                      kwargs)
         except TimeoutError as error:
             raise RuntimeError(f"{label} took more than tool_timeout="
                                f"{self.config.tool_timeout:g} s") from error
@@ -599,17 +607,21 @@ class AsyncRolloutLoop:
         try:
             if self.environments.factories:
                 key = self.environments.key_of(row)
-                environment = self.environments.take(key)
+                environment = await asyncio.get_running_loop().run_in_executor(
+                    self.tool_pool, self.environments.take, key)  # __init__ off the loop
                 columns = {k: v for k, v in row.items() if not (key and k == "environment")}
                 observation = await self._environment_call(environment.reset, "env/reset_s",
-                                                           **columns)
+                                                           columns)
                 prompt = observe(prompt, observation)
                 tools = [*self.tools, *environment_tools(environment)]
             rollout = await self.generate_one(prompt, tools, group_id)
             if callable(getattr(environment, "get_reward", None)):
-                value = await self._environment_call(environment.get_reward, "env/reward_s")
-                env_reward = (type(environment).__name__, value)
-            if environment is not None:  # a failed one is not reused
+                value = await self._environment_call(environment.get_reward, "env/reward_s",
+                                                     {})
+                env_reward = (type(environment), value)
+            # not reused after a failure (the run stops) or a tool call that timed out (its
+            # thread may still be changing the instance)
+            if environment is not None and not any(c.timed_out for c in rollout.tool_calls):
                 self.environments.give_back(key, environment)
         finally:
             self.in_flight_rollouts -= 1
@@ -690,12 +702,14 @@ class AsyncRolloutLoop:
     async def _reward(self, group: RolloutGroup) -> None:
         results = await asyncio.gather(*[self._call_reward(f, group) for f in self.reward_funcs])
         group.reward_by_func = {reward_name(f): r for f, r in zip(self.reward_funcs, results)}
-        for name in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
-            # an environment's get_reward: one more source, named after its class
-            group.reward_by_func[name] = [
-                float(e[1]) if e is not None and e[0] == name and e[1] is not None else math.nan
-                for e in group.env_rewards]
-        columns = list(group.reward_by_func.values()) + [
+        environments = []  # an environment's get_reward: one more source, named by its class
+        for kind in dict.fromkeys(e[0] for e in group.env_rewards if e is not None):
+            environments.append([
+                float(e[1]) if e is not None and e[0] is kind and e[1] is not None else math.nan
+                for e in group.env_rewards])
+            group.reward_by_func[kind.__name__] = environments[-1]
+        # every source counts, also two functions of one name (the metrics keep the last)
+        columns = list(results) + environments + [
             [math.nan if v is None else v for v in group.rollout_rewards]]
         table = np.array(columns, dtype=np.float64)  # sources x rollouts
         scored = ~np.isnan(table)
@@ -724,13 +738,15 @@ class AsyncRolloutLoop:
                     add("reward_dropped", group.rewards[i])
         add("frac_reward_zero_std", float(dropped))
         for rollout in group.rollouts if has_tools else ():
-            add("tools/call_frequency", rollout.tool_call_count)
+            calls, failures = rollout.tool_call_count, rollout.tool_failure_count
+            add("tools/call_frequency", calls)
             add("tools/loop_exhausted_frac", float(rollout.loop_exhausted))
-            if not rollout.tool_calls:  # NaN: a window without a call has no failure rate
-                add("tools/failure_frequency", math.nan)
+            # a mean over calls (the public counters: a custom generate_one sets only those);
+            # NaN: a window without a call has no failure rate
+            for i in range(calls) if calls else [None]:
+                add("tools/failure_frequency", math.nan if i is None else float(i < failures))
             add("tools/unknown_name_count", sum(call.unknown for call in rollout.tool_calls))
             for call in rollout.tool_calls:
-                add("tools/failure_frequency", float(call.failed))  # a mean over calls
                 if not call.unknown:
                     add(f"tools/{call.name}/call_count", 1)
                     add(f"tools/{call.name}/failure_count", float(call.failed))

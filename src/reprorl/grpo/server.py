@@ -623,6 +623,11 @@ class Server:
         settings = body.get("sampling_params") or {}
         if not isinstance(settings, dict):
             raise ApiError(400, "'sampling_params' must be an object.")
+        if len(prompt) < self.max_len and isinstance(settings.get("max_tokens"), int):
+            # as the seed's vLLM: a turn stops at --max-model-len here; only a prompt that
+            # fills it already is refused (by `params`)
+            settings = {**settings, "max_tokens": min(settings["max_tokens"],
+                                                      self.max_len - len(prompt))}
         params = self.params(settings, len(prompt))
         if self.args.return_sampling_mask:  # vLLM's per-request rule under the flag
             if params.temperature <= 0 or params.top_k <= 0:

@@ -92,10 +92,13 @@ from .rollout import (
     reward_name,
     run_rollout_loop,
 )
+from .rows import StreamRows, as_rows
 from .sample_queue import SampleQueue, StalledRun
 from .weights import AdapterVersions, MergedVersions, SyncCheck, refuse_unfit_server
 
 LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() call
+# a stream has no epoch to judge a stall by: this many positions without a trained sample
+STREAM_STALL_POSITIONS = 1024
 
 
 def _terminate(signum, frame):
@@ -148,37 +151,6 @@ class TrainOutput(NamedTuple):
     global_step: int
     training_loss: float
     metrics: dict
-
-
-def as_rows(dataset, factories: dict | None = None, max_steps: int = -1) -> list[dict]:
-    """Any sequence of mappings with a conversational `prompt` column, as plain dicts. With an
-    environment the prompt may be left to its reset() (an empty user message before it), and
-    one environment for every row may go without a dataset: one empty row, drawn `max_steps`
-    times' worth (the environment makes each task)."""
-    if dataset is None and factories and None in factories:
-        if max_steps <= 0:
-            raise ValueError("an environment_factory without a train_dataset sets the run's "
-                             "length by max_steps: set max_steps > 0")
-        return [{}]
-    if dataset is None:
-        raise ValueError("train_dataset is required (rows with a conversational 'prompt'"
-                         + (", and an 'environment' column naming each row's environment)"
-                            if factories else ")"))
-    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # pandas
-        rows = dataset.to_dict("records")
-    else:
-        rows = [dict(row) for row in dataset]
-    if not rows:
-        raise ValueError("train_dataset is empty")
-    for i, row in enumerate(rows):
-        prompt = row.get("prompt")
-        if factories and prompt is None:
-            continue
-        if not (isinstance(prompt, list) and prompt and all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in prompt)):
-            raise ValueError(f"train_dataset row {i}: 'prompt' must be a conversation, a list "
-                             "of {'role': ..., 'content': ...} messages")
-    return rows
 
 
 def reward_functions(reward_funcs) -> list:
@@ -546,6 +518,7 @@ class AsyncGRPOTrainer:
         logging_every = args.steps_of("logging_steps")
         save_every = args.steps_of("save_steps") if args.save_strategy == "steps" else 0
         end = math.ceil(args.num_train_epochs * len(self.rows)) if args.max_steps <= 0 else None
+        # (a stream has max_steps: rows.as_rows)
         ledger, version, counters, checkpoint = PositionLedger(end=end), 0, {}, None
         # as TrainingArguments' seed does: torch's start-up RNG differs per process, and the
         # checkpoint keeps this one (a resume restores it below)
@@ -663,7 +636,8 @@ class AsyncGRPOTrainer:
         run.samples = SampleQueue(groups, run.ledger, run.version, args.max_staleness,
                                   queued_tokens, queued_samples, run.window,
                                   check_worker=self.worker.raise_if_failed, log=self.log,
-                                  stall_positions=len(self.rows),
+                                  stall_positions=STREAM_STALL_POSITIONS if isinstance(
+                                      self.rows, StreamRows) else len(self.rows),
                                   stall_timeout=args.stall_timeout)
         kwargs = {
             "config": args, "model_name": self.model_path, "dataset": self.rows,
@@ -682,7 +656,8 @@ class AsyncGRPOTrainer:
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
-        prompt_ids = prompt_token_ids(self.tokenizer, self.rows[0].get("prompt") or [
+        first = self.rows.first() if isinstance(self.rows, StreamRows) else self.rows[0]
+        prompt_ids = prompt_token_ids(self.tokenizer, first.get("prompt") or [
             {"role": "user", "content": "Hello."}], self.args.chat_template_kwargs)
         hint = ""
         if not self.args.use_peft and getattr(self.model.config, "tie_word_embeddings", False):
@@ -1095,7 +1070,8 @@ class AsyncGRPOTrainer:
         metrics = run.window.reduce()
         run.window.clear()
         metrics["num_tokens"] = run.num_tokens
-        metrics["epoch"] = self._cursor_state()["next_prompt_index"] / len(self.rows)
+        if not isinstance(self.rows, StreamRows):  # a stream's length is not known
+            metrics["epoch"] = self._cursor_state()["next_prompt_index"] / len(self.rows)
         run.metrics_log.write(run.global_step, metrics)
         self.log(console_line(run.global_step, metrics))
         if self.args.log_completions and samples:
