@@ -596,7 +596,8 @@ class AsyncRolloutLoop:
     async def _one(self, row: dict, group_id: int, rollout_key: int):
         """One rollout of a row, in an environment when there are some: the instance is reset
         with the row's columns, its methods join the tools, and its get_reward() scores the
-        rollout. Returns the rollout and the environment's reward (class name, value)."""
+        rollout. Returns the prompt it started from, the rollout and the environment's
+        reward (its class, the value)."""
         _ROLLOUT.set([rollout_key, 0])  # this task's own context: its requests' seeds
         self.in_flight_rollouts += 1
         self.record("rollout/concurrency", self.in_flight_rollouts)
