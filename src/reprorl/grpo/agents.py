@@ -160,10 +160,12 @@ def result_text(value) -> str:
 
 
 async def run_in_pool(func, pool, timeout: float, kwargs: dict):
-    """Await `func(**kwargs)`: a coroutine function on the loop, anything else in the thread
-    pool (with the caller's context), either within `timeout` seconds. (The arguments come as
-    one dict: a tool may name its own `timeout`.)"""
-    if inspect.iscoroutinefunction(func):
+    """Await `func(**kwargs)`: a coroutine function (or an instance whose __call__ is one) on
+    the loop, anything else in the thread pool (with the caller's context), either within
+    `timeout` seconds; tools, environments and reward functions all run through here. (The
+    arguments come as one dict: a tool may name its own `timeout`.)"""
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
+            getattr(type(func), "__call__", None)):
         return await asyncio.wait_for(func(**kwargs), timeout)
     call = functools.partial(contextvars.copy_context().run, func, **kwargs)
     return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, call),

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
-import inspect
 import math
 import os
 import queue
@@ -681,13 +679,7 @@ class AsyncRolloutLoop:
                       completion_ids=group.completions_ids, **group.reward_kwargs)
         name, limit = reward_name(func), self.config.reward_timeout
         try:
-            if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(
-                    type(func).__call__):
-                values = await asyncio.wait_for(func(**kwargs), limit)
-            else:
-                call = functools.partial(contextvars.copy_context().run, func, **kwargs)
-                values = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
-                    self.reward_pool, call), limit)
+            values = await run_in_pool(func, self.reward_pool, limit, kwargs)
         except TimeoutError as error:
             raise RuntimeError(f"reward function {name!r} took more than reward_timeout="
                                f"{limit:g} s to score one group: it is hung, or raise "

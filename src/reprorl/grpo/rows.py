@@ -57,6 +57,19 @@ class EmptyRows:
             yield {}
 
 
+# a stream has no epoch to judge a stall by: this many positions without a trained sample
+STREAM_STALL_POSITIONS = 1024
+
+
+def epoch_length(rows) -> int | None:
+    """Rows per epoch; None for a stream (its length is not known)."""
+    return None if isinstance(rows, StreamRows) else len(rows)
+
+
+def first_row(rows) -> dict:
+    return rows.first() if isinstance(rows, StreamRows) else rows[0]
+
+
 def is_stream(dataset) -> bool:
     return not hasattr(dataset, "__len__") and hasattr(dataset, "__iter__")
 

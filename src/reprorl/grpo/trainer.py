@@ -92,13 +92,11 @@ from .rollout import (
     reward_name,
     run_rollout_loop,
 )
-from .rows import StreamRows, as_rows
+from .rows import STREAM_STALL_POSITIONS, as_rows, epoch_length, first_row
 from .sample_queue import SampleQueue, StalledRun
 from .weights import AdapterVersions, MergedVersions, SyncCheck, refuse_unfit_server
 
 LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() call
-# a stream has no epoch to judge a stall by: this many positions without a trained sample
-STREAM_STALL_POSITIONS = 1024
 
 
 def _terminate(signum, frame):
@@ -636,8 +634,8 @@ class AsyncGRPOTrainer:
         run.samples = SampleQueue(groups, run.ledger, run.version, args.max_staleness,
                                   queued_tokens, queued_samples, run.window,
                                   check_worker=self.worker.raise_if_failed, log=self.log,
-                                  stall_positions=STREAM_STALL_POSITIONS if isinstance(
-                                      self.rows, StreamRows) else len(self.rows),
+                                  stall_positions=epoch_length(self.rows)
+                                  or STREAM_STALL_POSITIONS,
                                   stall_timeout=args.stall_timeout)
         kwargs = {
             "config": args, "model_name": self.model_path, "dataset": self.rows,
@@ -656,8 +654,7 @@ class AsyncGRPOTrainer:
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
-        first = self.rows.first() if isinstance(self.rows, StreamRows) else self.rows[0]
-        prompt_ids = prompt_token_ids(self.tokenizer, first.get("prompt") or [
+        prompt_ids = prompt_token_ids(self.tokenizer, first_row(self.rows).get("prompt") or [
             {"role": "user", "content": "Hello."}], self.args.chat_template_kwargs)
         hint = ""
         if not self.args.use_peft and getattr(self.model.config, "tie_word_embeddings", False):
@@ -1070,8 +1067,9 @@ class AsyncGRPOTrainer:
         metrics = run.window.reduce()
         run.window.clear()
         metrics["num_tokens"] = run.num_tokens
-        if not isinstance(self.rows, StreamRows):  # a stream's length is not known
-            metrics["epoch"] = self._cursor_state()["next_prompt_index"] / len(self.rows)
+        if epoch_length(self.rows):  # a stream's is not known
+            metrics["epoch"] = (self._cursor_state()["next_prompt_index"]
+                                / epoch_length(self.rows))
         run.metrics_log.write(run.global_step, metrics)
         self.log(console_line(run.global_step, metrics))
         if self.args.log_completions and samples:
