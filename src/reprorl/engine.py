@@ -5,15 +5,15 @@ whole groups of `rows` slots): each step admits waiting sequences FIFO into the 
 slots, prefills each alone, and decodes every group of slots that holds a running sequence in
 one forward of a fixed shape, whatever adapters they use. So a sequence's tokens, log-probs and
 top log-probs are bitwise the same whatever else runs beside it. Log-probs are vLLM's
-`processed_logprobs` (after temperature, min-p, top-k, top-p; raw log-softmax when greedy); each
-sequence samples with its own generator. `grpo/server.py` runs the engine in a background
-thread behind vLLM's HTTP API; `sampling.sample_many` drives it in the caller's thread
-(`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per sequence, not paged
-blocks; no preemption (a sequence waits for a free slot); sampling is `torch.multinomial`;
-prefix caching reuses whole prompts only (the last 16 prefills), not shared blocks of them.
-Work that must not overlap a forward (a weight reload) runs in the engine thread between two
-steps (`between_steps`); sequences already running go on under the new weights with the KV
-they have, as in vLLM.
+`processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; no
+temperature when greedy); each sequence samples with its own generator. `grpo/server.py` runs
+the engine in a background thread behind vLLM's HTTP API; `sampling.sample_many` drives it in
+the caller's thread (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per
+sequence, not paged blocks; no preemption (a sequence waits for a free slot); sampling is
+`torch.multinomial`; prefix caching reuses whole prompts only (the last 16 prefills), not
+shared blocks of them. Work that must not overlap a forward (a weight reload) runs in the
+engine thread between two steps (`between_steps`); sequences already running go on under the
+new weights with the KV they have, as in vLLM.
 """
 
 from __future__ import annotations
@@ -60,15 +60,31 @@ class Params:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on every token already in the prompt or the output
     logprobs: int | None = None
     eos_id: int | None = None
     stop_ids: frozenset = frozenset()
     sampling_mask: bool = False  # keep each sampled token's candidate set (vLLM's flag)
 
 
-def processed_logprobs(logits: torch.Tensor, p: Params) -> torch.Tensor:
-    """Log-probs of the distribution actually sampled from (filtered tokens get -inf)."""
+def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM's repetition penalty (`apply_repetition_penalties_torch`): the logit of every token
+    `seen` (a bool mask over the vocabulary, broadcast against `logits`) is divided by the
+    penalty when positive and multiplied by it otherwise. One function for the engine and the
+    trainer, which must score each token under the distribution it was drawn from."""
+    penalties = torch.where(seen, torch.tensor(penalty, dtype=logits.dtype), 1.0)
+    return logits * torch.where(logits > 0, 1.0 / penalties, penalties)
+
+
+def processed_logprobs(logits: torch.Tensor, p: Params,
+                       seen: list[int] | None = None) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from (filtered tokens get -inf); `seen`:
+    the tokens so far (prompt and output), which the repetition penalty applies to."""
     logits = logits.float()
+    if p.repetition_penalty != 1 and seen:
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        mask[torch.tensor(seen)] = True
+        logits = penalise_repeats(logits, mask, p.repetition_penalty)
     if p.temperature < GREEDY_EPS:
         return logits.log_softmax(-1)
     logits = logits / p.temperature
@@ -439,7 +455,8 @@ class Engine(threading.Thread):
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params
-        scores = processed_logprobs(logits, p)
+        scores = processed_logprobs(logits, p,
+                                    seq.tokens if p.repetition_penalty != 1 else None)
         if torch.isnan(scores).any():  # filtered tokens are -inf; NaN means broken weights
             raise FloatingPointError("the model's log-probs hold NaN")
         if p.temperature < GREEDY_EPS:

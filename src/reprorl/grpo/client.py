@@ -135,10 +135,10 @@ class CompletionClient:
 
     async def complete(self, model: str, prompt_ids: list[int], max_tokens: int,
                        temperature: float, seed: int, logprobs: int,
-                       truncation: dict | None = None, sampling_mask: bool = False
+                       sampling: dict | None = None, sampling_mask: bool = False
                        ) -> tuple[Completion, int]:
-        """One sampling request; `truncation` ({"top_k": ..., "top_p": ..., "min_p": ...})
-        is sent as is, and `sampling_mask` asks `/inference/v1/generate` for the sets."""
+        """One sampling request; `sampling` (top_k, top_p, min_p, repetition_penalty) is sent
+        as is, and `sampling_mask` asks `/inference/v1/generate` for the candidate sets."""
         import aiohttp
 
         if sampling_mask:
@@ -146,13 +146,13 @@ class CompletionClient:
             body = {"model": model, "token_ids": prompt_ids, "sampling_params": {
                 "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                 "logprobs": logprobs, "n": 1, "skip_special_tokens": False,
-                **(truncation or {})}}
+                **(sampling or {})}}
         else:
             path, parse = "/v1/completions", parse_completion
             body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
                     "temperature": temperature, "seed": seed, "logprobs": logprobs, "n": 1,
                     "return_token_ids": True, "return_tokens_as_token_ids": True,
-                    "skip_special_tokens": False, "stream": False, **(truncation or {})}
+                    "skip_special_tokens": False, "stream": False, **(sampling or {})}
         retries, last = 0, None
         while True:
             try:

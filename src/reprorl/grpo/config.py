@@ -100,6 +100,8 @@ class AsyncGRPOConfig:
         0, "Keep the k likeliest tokens (0: off); the trainer renormalises over each set.")
     min_p: float | None = option(
         None, "Drop tokens below min_p x the top probability (None/0: off); needs top_k.")
+    repetition_penalty: float = option(
+        1.0, "vLLM's penalty on tokens already in the prompt or output (> 1: fewer repeats).")
     chat_template_kwargs: dict | str | None = field(default=None, metadata={
         "help": "Extra keyword arguments for apply_chat_template (a dict or its JSON)."})
     max_tool_calling_iterations: int | None = option(
@@ -262,6 +264,8 @@ class AsyncGRPOConfig:
                 yield f"{name} must be >= 1"
         if not 0 < self.top_p <= 1:
             yield "top_p must be in (0, 1]"
+        if self.repetition_penalty <= 0:
+            yield "repetition_penalty must be > 0 (1: off)"
         if self.top_k < -1 or (self.min_p is not None and not 0 <= self.min_p <= 1):
             yield "top_k must be >= 0 (-1 or 0: off) and min_p in [0, 1]"
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:

@@ -338,11 +338,15 @@ class AsyncRolloutLoop:
         top = self.config.num_sampler_logprobs if self.config.score_centering else 0
         settings = {"prompt_ids": prompt_ids, "max_tokens": self.config.max_completion_length,
                     "temperature": self.config.temperature, "seed": seed, "logprobs": top}
+        sampling = {}
+        if self.config.repetition_penalty != 1:
+            sampling["repetition_penalty"] = self.config.repetition_penalty
         if self.config.truncated_sampling:  # the candidate sets too, when the server has them
-            truncation = {"top_k": self.config.top_k, "top_p": self.config.top_p}
+            sampling.update(top_k=self.config.top_k, top_p=self.config.top_p)
             if self.config.min_p is not None:
-                truncation["min_p"] = self.config.min_p
-            settings.update(truncation=truncation, sampling_mask=self.sampling_mask)
+                sampling["min_p"] = self.config.min_p
+            settings["sampling_mask"] = self.sampling_mask
+        settings["sampling"] = sampling
         model = _MODEL.get(self.model_name)
         try:
             reply, retries = await self.client.complete(model=model, **settings)

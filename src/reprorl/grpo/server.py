@@ -11,8 +11,9 @@ steps) and `/reset_prefix_cache`, through which full-model training syncs merged
 A background thread runs the batch-invariant engine (`reprorl.engine.Engine`) over
 `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
 groups of `--decode-rows`: a request's tokens, log-probs and top log-probs are bitwise the same
-whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after temperature,
-min-p, top-k, top-p; raw log-softmax when greedy). Each request samples with its own generator.
+whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after the repetition
+penalty, temperature, min-p, top-k, top-p; no temperature when greedy). Each request samples
+with its own generator.
 
 Departures from vLLM: CPU only, one process; no streaming, `n` = 1, no `echo`, one prompt per
 request, no stop strings, no `min_tokens`, no beam search, no chat endpoint; the KV cache is
@@ -533,10 +534,14 @@ class Server:
                            f"in the messages, {maximum} in the completion). Please reduce the "
                            "length of the messages or completion.")
         p = Params(maximum, number(body, "temperature", 1.0), number(body, "top_p", 1.0),
-                   number(body, "top_k", 0, int), number(body, "min_p", 0.0))
+                   number(body, "top_k", 0, int), number(body, "min_p", 0.0),
+                   number(body, "repetition_penalty", 1.0))
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < -1 or not 0 <= p.min_p <= 1:
             raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
                            "min_p in [0, 1].")
+        if p.repetition_penalty <= 0:
+            raise ApiError(400, "repetition_penalty must be greater than zero, got "
+                           f"{p.repetition_penalty}.")
         if body.get("logprobs") is not None:
             p.logprobs = number(body, "logprobs", 0, int)
             if not 0 <= p.logprobs <= self.args.max_logprobs:

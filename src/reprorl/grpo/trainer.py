@@ -19,7 +19,9 @@ with DDP); the per-run state is one `TrainingRun`.
 Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of `lora_rank`
 unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter (TRL merges it
 unless vLLM runs `--enable-lora`); DDP across ranks, not FSDP2; no callbacks, hub or optimizer
-overrides; tools and environments as `agents.py` says; a free-running step takes all its
+overrides; tools and environments as `agents.py` says; `repetition_penalty` is applied by the
+loss too, over each token's own prefix, as the server sampled it (TRL 1.16 sends it and scores
+without it, so its ratios are biased wherever it is not 1); a free-running step takes all its
 micro-batches before its first forward (they are dealt to the ranks at once). Free-running, the
 resume cursor also lists the positions already consumed beyond it, so a resumed worker neither
 skips nor replays a prompt; on a fixed schedule the cursor is the next block's first position,
@@ -50,6 +52,7 @@ import torch
 
 from .. import lora
 from ..encoding import mask_for
+from ..engine import penalise_repeats
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from . import server as embedded_server  # started by module name; imported for the code hash
 from .agents import (
@@ -301,6 +304,16 @@ def candidate_logmass(scores: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     return torch.where(batch.candidates_valid.any(-1), inside.logsumexp(-1), 0.0)
 
 
+def repeated_before(batch: MicroBatch, vocab: int) -> torch.Tensor:
+    """(B, W, V) bool: which tokens came before each column in its sample, those the server's
+    repetition penalty applied to when it sampled the column's token."""
+    width = batch.trained.shape[1]
+    first = torch.full((len(batch.seen_ids), vocab + 1), width, dtype=torch.long)
+    ids = batch.seen_ids.masked_fill(batch.seen_ids < 0, vocab)  # pads to a dropped column
+    first.scatter_reduce_(1, ids, batch.seen_from, "amin")
+    return first[:, None, :vocab] <= torch.arange(width)[None, :, None]
+
+
 def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
                     trained_tokens: int | None = None, forward=None
                     ) -> tuple[torch.Tensor, dict]:
@@ -316,8 +329,15 @@ def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
     # token, the untrained columns), and the backward of advanced indexing accumulates them
     # with CPU atomics once the tensor is large (measured: multi-turn rows of ~500 tokens
     # trained to other bits run to run); index_select's backward, index_add_, adds in order
-    flat = (logits.float() / args.temperature).log_softmax(-1)
-    scores = flat.index_select(0, batch.index.reshape(-1)).reshape(*batch.index.shape, -1)
+    if args.repetition_penalty == 1:
+        flat = (logits.float() / args.temperature).log_softmax(-1)
+        scores = flat.index_select(0, batch.index.reshape(-1)).reshape(*batch.index.shape, -1)
+    else:  # the penalty depends on each column's own prefix: penalise per column
+        columns = logits.float().index_select(0, batch.index.reshape(-1))
+        columns = columns.reshape(*batch.index.shape, -1)
+        columns = penalise_repeats(columns, repeated_before(batch, columns.shape[-1]),
+                                   args.repetition_penalty)
+        scores = (columns / args.temperature).log_softmax(-1)
     logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
     mass = candidate_logmass(scores, batch)  # 0 where a column was sampled from everything
     logp = logp - mass
