@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from reprorl import base_model
-from reprorl.grpo import AsyncGRPOTrainer
+from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.agents import (
     EnvironmentPool,
     call_tool,
@@ -192,6 +192,31 @@ def test_tools_are_checked_by_name_schema_and_picklability():
     with pytest.raises(TypeError, match="no reset"):
         probe_environments({None: NoResetEnv})
     assert probe_environments({"a": IncrementEnv, "b": FaultyEnv}) == {"a": True, "b": True}
+    with pytest.raises(ValueError, match="environment 'a' method 'increment' has the name of a "
+                                         "tool in tools"):
+        probe_environments({"a": IncrementEnv}, check_tools([increment]))
+
+
+def increment(step: int) -> int:
+    """A standalone tool with the name of IncrementEnv's method.
+
+    Args:
+        step: what to return
+    """
+    return step
+
+
+def test_a_checkpoint_refuses_a_resume_with_other_rollout_parts(tmp_path):
+    from reprorl.grpo.identity import refuse_other_run, run_identity
+
+    args, rows = AsyncGRPOConfig(output_dir=str(tmp_path)), [{"prompt": "p"}]
+    parts = {"reward_funcs": ["r"], "tools": ["add"], "environments": {},
+             "loop_cls": "reprorl.grpo.rollout.AsyncRolloutLoop"}
+    state = run_identity(args, rows, sources=parts)
+    refuse_other_run(tmp_path, state, run_identity(args, rows, sources=dict(parts)), args)
+    other = run_identity(args, rows, sources={**parts, "tools": ["add", "broken"]})
+    with pytest.raises(ValueError, match=r"other rollout parts \(tools: \['add'\] -> "):
+        refuse_other_run(tmp_path, state, other, args)
 
 
 def test_calls_run_sync_async_and_fail_without_stopping_the_rollout():
@@ -221,7 +246,6 @@ def test_calls_run_sync_async_and_fail_without_stopping_the_rollout():
 def test_every_reward_source_counts_also_two_of_one_name():
     """Two partials of one function are two sources (their metrics share a name); an
     environment's get_reward and Rollout.reward are summed with them."""
-    from reprorl.grpo import AsyncGRPOConfig
     from reprorl.grpo.rollout import RolloutGroup
 
     loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # _reward reads these three only

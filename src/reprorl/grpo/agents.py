@@ -103,10 +103,11 @@ def environment_tools(environment) -> list:
             if not name.startswith("_") and name not in RESERVED]
 
 
-def probe_environments(factories: dict) -> dict[str | None, bool]:
+def probe_environments(factories: dict, tools: list = ()) -> dict[str | None, bool]:
     """Make one instance of each environment to check it (it has a reset(), its tools have
-    schemas); returns, per environment, whether it owns a reward (`get_reward`)."""
-    owns_reward = {}
+    schemas and names no standalone tool has); returns, per environment, whether it owns a
+    reward (`get_reward`)."""
+    owns_reward, standalone = {}, {tool_name(f) for f in tools}
     for key, factory in factories.items():
         label = "environment" if key is None else f"environment {key!r}"
         instance = factory()
@@ -115,6 +116,10 @@ def probe_environments(factories: dict) -> dict[str | None, bool]:
                             "called with the row's columns at the start of every rollout")
         for method in environment_tools(instance):
             tool_schema(method, f"{label} method")
+            if method.__name__ in standalone:  # TRL lets the method win without a word
+                raise ValueError(f"{label} method {method.__name__!r} has the name of a tool "
+                                 "in tools: the model calls tools by name and could not "
+                                 "reach both; rename one of them")
         owns_reward[key] = callable(getattr(instance, "get_reward", None))
     return owns_reward
 

@@ -55,9 +55,11 @@ def _config_fingerprint(settings: dict) -> dict:
     return json.loads(json.dumps(settings, sort_keys=True, default=_settings_like))
 
 
-def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1) -> dict:
+def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1,
+                 sources: dict | None = None) -> dict:
     """What a resumed run must share with the checkpoint it continues; `world_size`, the
-    trainer ranks, when more than one (a step's micro-batches are dealt to them)."""
+    trainer ranks, when more than one (a step's micro-batches are dealt to them); `sources`,
+    the names of the reward functions, tools, environments and rollout loop."""
     settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES}
     if args.lr_scheduler_type == "linear" or 0 < args.warmup_steps < 1:
         settings["max_steps"] = args.max_steps  # the schedule is a function of it
@@ -73,6 +75,8 @@ def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1) -
                 "dataset_sha256": hashlib.sha256(data).hexdigest()}
     if world_size > 1:  # a one-rank identity has no such key
         identity["world_size"] = world_size
+    if sources is not None:
+        identity["sources"] = sources
     return identity
 
 
@@ -95,6 +99,13 @@ def refuse_other_run(checkpoint: Path, state: dict, identity: dict,
                          "batches are dealt to the ranks, so resume with torchrun "
                          f"--nproc-per-node {state.get('world_size', 1)}, or train in a "
                          "fresh output_dir")
+    if "sources" in state and state["sources"] != identity.get("sources"):
+        old, new = state["sources"], identity.get("sources") or {}
+        details = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+                            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k))
+        raise ValueError(f"{checkpoint} was trained with other rollout parts ({details}): "
+                         "resume with the same reward functions, tools, environments and "
+                         "rollout loop, or train in a fresh output_dir")
     # a field one side lacks (a release added it) counts at its default
     defaults = _config_fingerprint({f.name: f.default for f in dataclasses.fields(args)
                                     if f.default is not dataclasses.MISSING})

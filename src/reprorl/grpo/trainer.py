@@ -466,7 +466,7 @@ class AsyncGRPOTrainer:
         self.environment_factory = environment_factory
         factories = environment_factories(environment_factory)
         self.rows = as_rows(train_dataset, factories, self.args.max_steps)
-        self.env_owns_reward = probe_environments(factories)  # per environment
+        self.env_owns_reward = probe_environments(factories, self.tools)  # per environment
         self.log = log
         # under torchrun: this process's rank, in the group it joins here (distributed.py)
         self.ranks = ranks_from_env(self.args.ddp_backend, self.args.ddp_timeout)
@@ -523,6 +523,19 @@ class AsyncGRPOTrainer:
                     "module-level function, functools.partial or a callable instance, not a "
                     "lambda or a closure") from error
 
+    def _sources(self) -> dict:
+        """What scores and acts in a rollout, by name: a resume with other reward functions,
+        tools or environments is another run."""
+        def qualified(thing) -> str:
+            kind = thing if isinstance(thing, type) else getattr(thing, "func", thing)
+            return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind)}"
+
+        return {"reward_funcs": [reward_name(f) for f in self.reward_funcs],
+                "tools": [tool_name(f) for f in self.tools],
+                "environments": {str(key): qualified(factory) for key, factory in
+                                 environment_factories(self.environment_factory).items()},
+                "loop_cls": qualified(self.loop_cls)}
+
     def _new_run(self, resume_from_checkpoint) -> TrainingRun:
         """The run's bookkeeping, restored from a checkpoint when resuming; a checkpoint of
         another run is refused here, before any process starts or any file is written."""
@@ -532,7 +545,8 @@ class AsyncGRPOTrainer:
             parameters, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay,
             fused=args.optim == "adamw_torch_fused")
-        identity = run_identity(args, self.rows, self.ranks.world_size)  # the rows stay
+        identity = run_identity(args, self.rows, self.ranks.world_size,  # the rows stay
+                                self._sources())
         logging_every = args.steps_of("logging_steps")
         save_every = args.steps_of("save_steps") if args.save_strategy == "steps" else 0
         end = math.ceil(args.num_train_epochs * len(self.rows)) if args.max_steps <= 0 else None
