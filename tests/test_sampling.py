@@ -78,6 +78,29 @@ def test_a_group_sharing_a_prompt_reuses_one_prefill_with_the_same_bits(model):
     assert engine.counters["prefix_cache_hits"] == 3 * prompt_tokens  # each prompt's 3 repeats
 
 
+def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(model):
+    """The curves' greedy and sampled passes over one set of prompts: the second call, given
+    the first's store, prefills nothing and draws the bits it draws without the store."""
+    from collections import OrderedDict
+
+    from reprorl.engine import PREFIX_CACHE_PROMPTS
+
+    pool = prompts(PREFIX_CACHE_PROMPTS + 4, 11)
+    seeds = list(range(len(pool)))
+    plain = (sample_many(model, pool, 24, EOS, MAX_LEN, rows=4),
+             sample_many(model, pool, 24, EOS, MAX_LEN, generators(seeds), rows=4))
+    store = OrderedDict()
+    greedy = sample_many(model, pool, 24, EOS, MAX_LEN, rows=4, prefills=store)
+    first = {key: id(entry) for key, entry in store.items()}
+    shared = (greedy, sample_many(model, pool, 24, EOS, MAX_LEN, generators(seeds), rows=4,
+                                  prefills=store))
+    assert len(first) == len(set(map(tuple, pool))) > PREFIX_CACHE_PROMPTS
+    assert {key: id(entry) for key, entry in store.items()} == first  # nothing prefilled again
+    for before, after in zip(plain, shared):
+        assert [r.response_ids for r in before] == [r.response_ids for r in after]
+        assert [r.logprobs for r in before] == [r.logprobs for r in after]
+
+
 def test_greedy_answers_match_one_sequence_decoding(model):
     """The engine and transformers' own cache pick the same tokens (log-probs may differ in
     the last bits: other kernels)."""

@@ -19,6 +19,8 @@ the sampler's own log-prob of the token it drew, log pi_ref a teacher-forced pas
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from . import corpus, layout, lora, snapshots
@@ -55,13 +57,15 @@ def measure(actor, reward, tokenizer, limits: dict, validation, reference=None) 
 
     pages, prompts = validation
     eos, pad, room = tokenizer.eos_token_id, tokenizer.pad_token_id, limits["response_tokens"]
-    greedy = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"])
+    prefills = OrderedDict()  # the sampled pass reuses the greedy pass's prompt prefills
+    greedy = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"],
+                         prefills=prefills)
     scores = [float(s) for batch in _batched(prompts, greedy, pad) for s in reward.score(batch)]
     logratios = [0.0] * len(prompts)
     if reference is not None:
         generators = [torch.Generator().manual_seed(SAMPLE_SEED + i) for i in range(len(pages))]
         sampled = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"],
-                              generators=generators)
+                              generators=generators, prefills=prefills)
         logprobs = []  # each sampled response's summed log-prob under the reference
         for batch in _batched(prompts, sampled, pad):
             rows, mask = reference.token_logprobs(batch)

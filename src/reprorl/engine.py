@@ -194,8 +194,11 @@ class Engine(threading.Thread):
     """
 
     def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
-                 capacity: int, max_len: int, rows: int = 16):
-        """`switches`: the model's adapter layers (`server.Switch`) by name; {} for none."""
+                 capacity: int, max_len: int, rows: int = 16, prefixes: OrderedDict | None = None,
+                 prefix_limit: int | None = PREFIX_CACHE_PROMPTS):
+        """`switches`: the model's adapter layers (`server.Switch`) by name; {} for none.
+        `prefixes`: a prefill store to share with other engines on the same weights (the
+        caller's to drop when they change), holding up to `prefix_limit` prompts (None: all)."""
         super().__init__(name="engine", daemon=True)
         self.model, self.switches, self.max_len = model, switches, max_len
         slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
@@ -213,7 +216,8 @@ class Engine(threading.Thread):
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0}  # in tokens
         # (adapter id, prompt) -> (adapter, per-layer KV, last logits) of recent prefills: a
         # group's samples share one prompt, and the same forward would give the same bits
-        self.prefixes: OrderedDict[tuple, tuple] = OrderedDict()
+        self.prefixes: OrderedDict[tuple, tuple] = OrderedDict() if prefixes is None else prefixes
+        self.prefix_limit = prefix_limit
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
 
@@ -374,14 +378,13 @@ class Engine(threading.Thread):
                                     logits_to_keep=1)
             finally:
                 self.activate(None)
-            layers = output[self.cache_arg].layers
-            if self.cache is None:
-                self.cache = self.allocate(layers)
-            kv = [(layer.keys[0], layer.values[0]) for layer in layers]
+            kv = [(layer.keys[0], layer.values[0]) for layer in output[self.cache_arg].layers]
             logits = output.logits[0, -1]
             self.prefixes[key] = (seq.adapter, kv, logits)
-            if len(self.prefixes) > PREFIX_CACHE_PROMPTS:
+            if self.prefix_limit is not None and len(self.prefixes) > self.prefix_limit:
                 self.prefixes.popitem(last=False)
+        if self.cache is None:  # at the first prefill: its shapes and dtype
+            self.cache = self.allocate(kv)
         for slot_layer, (keys, values) in zip(self.cache.layers, kv):
             # zeroed first: a masked position still meets its weight 0 in the attention sum,
             # and 0 x Inf left by an earlier occupant would be NaN
@@ -391,12 +394,14 @@ class Engine(threading.Thread):
             slot_layer.values[seq.slot, :, :seq.length] = values
         self.sample(seq, logits)
 
-    def allocate(self, layers) -> Cache:
-        shapes = [(self.slots, layer.keys.shape[1], self.max_len, layer.keys.shape[3])
-                  for layer in layers]
-        log.info("KV slots: %d x %d tokens x %d layers", self.slots, self.max_len, len(layers))
-        return Cache(layers=[SlotLayer(layer.keys.new_zeros(shape), layer.values.new_zeros(shape))
-                             for layer, shape in zip(layers, shapes)])
+    def allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
+        """The KV slots, shaped after one prompt's per-layer (keys, values): [kv heads, its
+        length, head dim]."""
+        log.info("KV slots: %d x %d tokens x %d layers", self.slots, self.max_len, len(kv))
+        return Cache(layers=[
+            SlotLayer(keys.new_zeros(shape), values.new_zeros(shape))
+            for keys, values in kv
+            for shape in [(self.slots, keys.shape[0], self.max_len, keys.shape[2])]])
 
     def activate(self, adapter: Adapter | None) -> None:
         weights = adapter.weights if adapter else {}

@@ -15,6 +15,7 @@ with finish reason "cut". Two samplers:
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,14 @@ FINISH = {"stop": "eos", "length": "cut"}  # the engine's (vLLM's) finish reason
 @torch.inference_mode()
 def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
                 max_len: int, generators: list[torch.Generator] | None = None,
-                temperature: float = 1.0, rows: int = 16, slots: int = 64) -> list[Sample]:
+                temperature: float = 1.0, rows: int = 16, slots: int = 64,
+                prefills: OrderedDict | None = None) -> list[Sample]:
     """Each prompt's `Sample`, `slots` sequences at a time in decode groups of `rows` rows
     (a row's bits depend on `rows`, never on the other rows: keep it fixed per use). Greedy
     when `generators` is None; else prompt i draws with `generators[i]`. `max_len` bounds
-    prompt + response (the length of a KV slot)."""
+    prompt + response (the length of a KV slot). `prefills`: a store kept between calls on
+    the same weights (an empty OrderedDict at first): every prompt's prefill stays in it, and
+    a later call reuses it (the same forward, so the same bits)."""
     greedy = generators is None
     params = Params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
                     logprobs=0, eos_id=eos_id)
@@ -84,7 +88,8 @@ def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: in
         raise ReproError(f"prompts {too_long} leave no room for {max_new_tokens} new tokens "
                          f"within {max_len}: raise limits.context_tokens")
     slots = max(rows, min(slots, -(-len(seqs) // rows) * rows))
-    Engine(model, {}, slots, slots * max_len, max_len, rows).generate(seqs)
+    kept = {} if prefills is None else {"prefixes": prefills, "prefix_limit": None}
+    Engine(model, {}, slots, slots * max_len, max_len, rows, **kept).generate(seqs)
     failed = [seq.error.message for seq in seqs if seq.error is not None]
     if failed:
         raise ReproError(f"{len(failed)} of {len(seqs)} generations failed: {failed[0]}")
