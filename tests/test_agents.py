@@ -206,6 +206,24 @@ def increment(step: int) -> int:
     return step
 
 
+class MakeCounter:
+    """A callable instance as environment factory (picklable, as the worker needs)."""
+
+    def __call__(self):
+        return IncrementEnv()
+
+
+def test_rollout_parts_are_named_by_module_and_class_without_addresses():
+    trainer = AsyncGRPOTrainer.__new__(AsyncGRPOTrainer)  # _sources reads these four only
+    trainer.reward_funcs, trainer.tools = [functools.partial(add, b=1)], [add]
+    trainer.environment_factory = {"a": IncrementEnv, "b": MakeCounter()}
+    trainer.loop_cls = AsyncRolloutLoop
+    assert trainer._sources() == {
+        "reward_funcs": ["add"], "tools": ["add"],
+        "environments": {"a": "counter_env.IncrementEnv", "b": f"{__name__}.MakeCounter"},
+        "loop_cls": "reprorl.grpo.rollout.AsyncRolloutLoop"}
+
+
 def test_a_checkpoint_refuses_a_resume_with_other_rollout_parts(tmp_path):
     from reprorl.grpo.identity import refuse_other_run, run_identity
 

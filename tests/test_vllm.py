@@ -70,7 +70,15 @@ def model(tmp_path_factory) -> Path:
     config["model"]["path"] = str(tmp_path_factory.mktemp("head32") / "model")
     config["model"]["embedded"].update(num_attention_heads=2, num_key_value_heads=2)
     base_model.build_embedded(config, log=lambda message: None)
-    return Path(config["model"]["path"])
+    path = Path(config["model"]["path"])
+    # sampling defaults as Qwen2.5-Instruct ships them: vLLM applies them to any setting a
+    # request leaves out, so every zero-staleness check below also checks the client sends
+    # each setting the loss knows
+    generation = json.loads((path / "generation_config.json").read_text())
+    generation.update(do_sample=True, repetition_penalty=1.1, temperature=0.7, top_k=20,
+                      top_p=0.8)
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return path
 
 
 def serve_vllm(model: Path, log_dir: Path, flags: list[str], **env_extra):

@@ -5,15 +5,15 @@ whole groups of `rows` slots): each step admits waiting sequences FIFO into the 
 slots, prefills each alone, and decodes every group of slots that holds a running sequence in
 one forward of a fixed shape, whatever adapters they use. So a sequence's tokens, log-probs and
 top log-probs are bitwise the same whatever else runs beside it. Log-probs are vLLM's
-`processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; no
-temperature when greedy); each sequence samples with its own generator. `grpo/server.py` runs
+`processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; greedy:
+the penalised log-softmax); each sequence samples with its own generator. `grpo/server.py` runs
 the engine in a background thread behind vLLM's HTTP API; `sampling.sample_many` drives it in
 the caller's thread (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per
 sequence, not paged blocks; no preemption (a sequence waits for a free slot); sampling is
-`torch.multinomial`; prefix caching reuses whole prompts only (the last 16 prefills), not
-shared blocks of them. Work that must not overlap a forward (a weight reload) runs in the
-engine thread between two steps (`between_steps`); sequences already running go on under the
-new weights with the KV they have, as in vLLM.
+`torch.multinomial`; prefix caching reuses whole prompts only (the last 16 prefills, or all of
+a store the caller keeps), not shared blocks of them. Work that must not overlap a forward (a
+weight reload) runs in the engine thread between two steps (`between_steps`); sequences already
+running go on under the new weights with the KV they have, as in vLLM.
 """
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: in
     when `generators` is None; else prompt i draws with `generators[i]`. `max_len` bounds
     prompt + response (the length of a KV slot). `prefills`: a store kept between calls on
     the same weights (an empty OrderedDict at first): every prompt's prefill stays in it, and
-    a later call reuses it (the same forward, so the same bits)."""
+    a later call reuses it (the same forward, so the same bits). It holds every prompt's KV
+    (the curves' 180 prompts: about 0.1 GB on the embedded base, 1-2 GB on Qwen in bf16)."""
     greedy = generators is None
     params = Params(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
                     logprobs=0, eos_id=eos_id)

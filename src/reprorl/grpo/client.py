@@ -75,6 +75,12 @@ def parse_completion(body: dict) -> Completion:
     return Completion(list(ids), [float(x) for x in sampled], tops, reason)
 
 
+# Every sampling setting the loss knows, sent with every request. A real vLLM fills the ones a
+# request leaves out from the model's generation_config.json (`--generation-config auto`, its
+# default: Qwen2.5-Instruct's asks for top_k 20, top_p 0.8 and a repetition penalty), so a
+# setting left out would sample from a distribution the trainer does not score.
+NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
 _SAMPLE = re.compile(r"^(vllm:[a-zA-Z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
 
 
@@ -146,13 +152,14 @@ class CompletionClient:
             body = {"model": model, "token_ids": prompt_ids, "sampling_params": {
                 "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
                 "logprobs": logprobs, "n": 1, "skip_special_tokens": False,
-                **(sampling or {})}}
+                **NEUTRAL_SAMPLING, **(sampling or {})}}
         else:
             path, parse = "/v1/completions", parse_completion
             body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
                     "temperature": temperature, "seed": seed, "logprobs": logprobs, "n": 1,
                     "return_token_ids": True, "return_tokens_as_token_ids": True,
-                    "skip_special_tokens": False, "stream": False, **(sampling or {})}
+                    "skip_special_tokens": False, "stream": False, **NEUTRAL_SAMPLING,
+                    **(sampling or {})}
         retries, last = 0, None
         while True:
             try:
@@ -300,7 +307,8 @@ class ServerAdmin:
         `/inference/v1/generate` with top_k, whose answer must carry `sampling_mask`."""
         response = self.request("POST", "/inference/v1/generate", json={
             "model": model, "token_ids": prompt_ids, "sampling_params": {
-                "max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 0}})
+                **NEUTRAL_SAMPLING, "max_tokens": 1, "temperature": 1.0, "top_k": 1,
+                "logprobs": 0}})
         if response.status_code in (403, 404, 405):
             return (f"it has no token-in/token-out endpoint (HTTP {response.status_code} on "
                     "/inference/v1/generate: start it with --enable-scale-out, vLLM >= 0.28)")
@@ -350,7 +358,7 @@ class ServerAdmin:
             "model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
             "temperature": temperature, "seed": seed, "logprobs": 0, "n": 1,
             "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False, "stream": False})
+            "skip_special_tokens": False, "stream": False, **NEUTRAL_SAMPLING})
         if response.status_code != 200:
             raise RuntimeError(f"the server at {self.base_url} refused a request for {model}: "
                                f"HTTP {response.status_code} {server_message(response.text)}")

@@ -12,11 +12,12 @@ A background thread runs the batch-invariant engine (`reprorl.engine.Engine`) ov
 `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
 groups of `--decode-rows`: a request's tokens, log-probs and top log-probs are bitwise the same
 whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after the repetition
-penalty, temperature, min-p, top-k, top-p; no temperature when greedy). Each request samples
+penalty, temperature, min-p, top-k, top-p; greedy: the penalised log-softmax). Each request samples
 with its own generator.
 
 Departures from vLLM: CPU only, one process; no streaming, `n` = 1, no `echo`, one prompt per
-request, no stop strings, no `min_tokens`, no beam search, no chat endpoint; the KV cache is
+request, no stop strings, no `min_tokens`, no presence or frequency penalty (0 only), no beam
+search, no chat endpoint, no defaults from the model's generation_config.json; the KV cache is
 a slot of `--max-model-len` tokens per sequence, not paged blocks (the metrics report
 `slots * max-model-len // 16` blocks); no preemption (a request waits for a free slot), and
 `--max-model-len` may not exceed `--kv-cache-tokens`;
@@ -539,6 +540,9 @@ class Server:
         if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < -1 or not 0 <= p.min_p <= 1:
             raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
                            "min_p in [0, 1].")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if number(body, key, 0.0) != 0:
+                raise ApiError(400, f"'{key}' is not supported by this server.")
         if p.repetition_penalty <= 0:
             raise ApiError(400, "repetition_penalty must be greater than zero, got "
                            f"{p.repetition_penalty}.")

@@ -282,7 +282,8 @@ def autocast_for(args: AsyncGRPOConfig):
 def sequence_logprobs(model, args: AsyncGRPOConfig, prompt_ids: list[int],
                       output_ids: list[int]) -> list[float]:
     """log pi(output | prompt) per output token at the run's temperature, as the loss scores
-    it (one unpadded sequence, no gradient, no RNG drawn): the weight-sync canary's side."""
+    it without truncation or repetition penalty, which the canary's requests do not use (one
+    unpadded sequence, no gradient, no RNG drawn): the weight-sync canary's side."""
     ids = torch.tensor([list(prompt_ids) + list(output_ids)])
     with torch.no_grad(), autocast_for(args):
         logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
@@ -304,14 +305,21 @@ def candidate_logmass(scores: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     return torch.where(batch.candidates_valid.any(-1), inside.logsumexp(-1), 0.0)
 
 
-def repeated_before(batch: MicroBatch, vocab: int) -> torch.Tensor:
-    """(B, W, V) bool: which tokens came before each column in its sample, those the server's
-    repetition penalty applied to when it sampled the column's token."""
-    width = batch.trained.shape[1]
-    first = torch.full((len(batch.seen_ids), vocab + 1), width, dtype=torch.long)
-    ids = batch.seen_ids.masked_fill(batch.seen_ids < 0, vocab)  # pads to a dropped column
-    first.scatter_reduce_(1, ids, batch.seen_from, "amin")
-    return first[:, None, :vocab] <= torch.arange(width)[None, :, None]
+def penalise_columns(columns: torch.Tensor, batch: MicroBatch, penalty: float) -> torch.Tensor:
+    """The (B, W, V) column logits under the server's repetition penalty: each column's
+    logits of the tokens before it in its sample penalised (`engine.penalise_repeats`). Only
+    the ids the batch holds are gathered, penalised and scattered back: one (B, W, V) copy
+    more, not a (B, W, V) mask and its temporaries (V is 151,936 for Qwen)."""
+    rows, width = batch.seen_ids.shape[0], columns.shape[1]
+    ids = batch.seen_ids[batch.seen_ids >= 0].unique()  # sorted
+    where = torch.searchsorted(ids, batch.seen_ids.clamp(min=0))
+    where = where.masked_fill(batch.seen_ids < 0, len(ids))  # pads to a dropped column
+    first = torch.full((rows, len(ids) + 1), width, dtype=torch.long)
+    first.scatter_reduce_(1, where, batch.seen_from, "amin")
+    seen = first[:, None, :-1] <= torch.arange(width)[None, :, None]  # (B, W, U)
+    index = ids.expand(rows, width, -1)
+    return columns.scatter(-1, index, penalise_repeats(columns.gather(-1, index), seen,
+                                                       penalty))
 
 
 def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
@@ -324,7 +332,7 @@ def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
     quantity below is computed per trained token, whatever the layout."""
     with autocast_for(args):
         logits = kept_logits(model, batch, forward)
-    # log_softmax on the kept positions once, then one copy per column that reads them.
+    # Unpenalised: log_softmax on the kept positions once, then one copy per column.
     # index_select, not `[batch.index]`: several columns read one position (a shared fork
     # token, the untrained columns), and the backward of advanced indexing accumulates them
     # with CPU atomics once the tensor is large (measured: multi-turn rows of ~500 tokens
@@ -332,10 +340,9 @@ def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
     if args.repetition_penalty == 1:
         flat = (logits.float() / args.temperature).log_softmax(-1)
         scores = flat.index_select(0, batch.index.reshape(-1)).reshape(*batch.index.shape, -1)
-    else:  # the penalty depends on each column's own prefix: penalise per column
+    else:  # the penalty depends on each column's own prefix: per column, then log_softmax
         columns = logits.float().index_select(0, batch.index.reshape(-1))
-        columns = columns.reshape(*batch.index.shape, -1)
-        columns = penalise_repeats(columns, repeated_before(batch, columns.shape[-1]),
+        columns = penalise_columns(columns.reshape(*batch.index.shape, -1), batch,
                                    args.repetition_penalty)
         scores = (columns / args.temperature).log_softmax(-1)
     logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
@@ -527,8 +534,10 @@ class AsyncGRPOTrainer:
         """What scores and acts in a rollout, by name: a resume with other reward functions,
         tools or environments is another run."""
         def qualified(thing) -> str:
-            kind = thing if isinstance(thing, type) else getattr(thing, "func", thing)
-            return f"{getattr(kind, '__module__', '?')}.{getattr(kind, '__qualname__', kind)}"
+            kind = getattr(thing, "func", thing)  # a partial: what it wraps
+            if not hasattr(kind, "__qualname__"):  # a callable instance: its class, no address
+                kind = type(kind)
+            return f"{kind.__module__}.{kind.__qualname__}"
 
         return {"reward_funcs": [reward_name(f) for f in self.reward_funcs],
                 "tools": [tool_name(f) for f in self.tools],
