@@ -317,6 +317,35 @@ OLD_TEMPLATE = (
 )
 
 
+def assert_renders_tools_as_the_parser_reads_them(tokenizer) -> str:
+    """The checks the trainer makes, then a conversation with two calls and their results:
+    the schema is rendered, and the parser reads back the calls the template wrote."""
+    check_prefix_preserving(tokenizer)
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "sum"}, {"role": "assistant", "content": "", "tool_calls":
+                                              [call, call]},
+         {"role": "tool", "name": "add", "content": "3"},
+         {"role": "tool", "name": "add", "content": "3"}],
+        tools=[add], tokenize=False, add_generation_prompt=True)
+    assert '"name": "add", "description": "Add two integers."' in text
+    reply = text.split("<|im_start|>assistant\n")[-2].split("<|im_end|>")[0]
+    assert parse_tool_calls(reply)[1] == [call["function"], call["function"]]
+    assert text.count("<tool_response>\n3\n</tool_response>") == 2
+    return text
+
+
+QWEN = ROOT / "assets/qwen2.5-0.5b-instruct"  # configs/qwen2.5-0.5b.yaml's model.path
+
+
+@pytest.mark.skipif(not (QWEN / "tokenizer_config.json").is_file(),
+                    reason=f"Qwen2.5-0.5B-Instruct's files are not at {QWEN} (no hub here)")
+def test_qwen_s_own_template_renders_tools_as_the_parser_reads_them():
+    from transformers import AutoTokenizer
+
+    assert_renders_tools_as_the_parser_reads_them(AutoTokenizer.from_pretrained(QWEN))
+
+
 def test_the_embedded_template_renders_tools_and_leaves_plain_chats_as_they_were(tiny_model):
     from transformers import AutoTokenizer
 
@@ -330,23 +359,12 @@ def test_the_embedded_template_renders_tools_and_leaves_plain_chats_as_they_were
                 chat, tokenize=False, add_generation_prompt=generation) == (
                 tokenizer.apply_chat_template(chat, tokenize=False, chat_template=OLD_TEMPLATE,
                                               add_generation_prompt=generation))
-    check_prefix_preserving(tokenizer)
-    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "sum"}, {"role": "assistant", "content": "", "tool_calls":
-                                              [call, call]},
-         {"role": "tool", "name": "add", "content": "3"},
-         {"role": "tool", "name": "add", "content": "3"}],
-        tools=[add], tokenize=False, add_generation_prompt=True)
-    assert '"name": "add", "description": "Add two integers."' in text
+    text = assert_renders_tools_as_the_parser_reads_them(tokenizer)
     assert text.endswith(
         '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
         '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
         '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n'
         '<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n')
-    # the same parser reads what the template writes
-    reply = text.split("<|im_start|>assistant\n")[-2].split("<|im_end|>")[0]
-    assert parse_tool_calls(reply)[1] == [call["function"], call["function"]]
     tokenizer.chat_template = OLD_TEMPLATE
     with pytest.raises(ValueError, match="does not render tools"):
         check_prefix_preserving(tokenizer)
