@@ -139,10 +139,11 @@ def embedded_base(directory: Path) -> Path:
 
 
 def train(model: Path, output: Path, max_steps: int = 6, log=print, loop_cls=None,
-          train_dataset="rows()", environment_factory=IncrementEnv, reward_funcs=None,
+          train_dataset=tuple(rows()), environment_factory=IncrementEnv, reward_funcs=None,
           processing_class=None, **overrides):
     """Async GRPO on the counter task; returns the trainer (its metrics.jsonl in `output`).
-    The keywords after `log` let a test swap a part: the rollout loop, the rows, ..."""
+    The keywords after `log` let a test swap a part: the rollout loop, the rows (None: the
+    environment makes its own tasks), ..."""
     from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     settings = dict(
@@ -153,8 +154,7 @@ def train(model: Path, output: Path, max_steps: int = 6, log=print, loop_cls=Non
         schedule_lag=1, seed=0)
     trainer = AsyncGRPOTrainer(model=str(model), args=AsyncGRPOConfig(**{**settings,
                                                                         **overrides}),
-                               train_dataset=rows() if train_dataset == "rows()" else
-                               train_dataset, reward_funcs=reward_funcs,
+                               train_dataset=train_dataset, reward_funcs=reward_funcs,
                                environment_factory=environment_factory,
                                processing_class=processing_class, log=log)
     if loop_cls is not None:

@@ -194,11 +194,11 @@ class Engine(threading.Thread):
     """
 
     def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
-                 capacity: int, max_len: int, rows: int = 16, prefixes: OrderedDict | None = None,
-                 prefix_limit: int | None = PREFIX_CACHE_PROMPTS):
+                 capacity: int, max_len: int, rows: int = 16, prefixes: OrderedDict | None = None):
         """`switches`: the model's adapter layers (`server.Switch`) by name; {} for none.
-        `prefixes`: a prefill store to share with other engines on the same weights (the
-        caller's to drop when they change), holding up to `prefix_limit` prompts (None: all)."""
+        `prefixes`: a prefill store to share with other engines on the same weights, which
+        keeps every prompt (the caller drops it when the weights change); without one, the
+        engine keeps its last PREFIX_CACHE_PROMPTS prefills."""
         super().__init__(name="engine", daemon=True)
         self.model, self.switches, self.max_len = model, switches, max_len
         slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
@@ -217,7 +217,7 @@ class Engine(threading.Thread):
         # (adapter id, prompt) -> (adapter, per-layer KV, last logits) of recent prefills: a
         # group's samples share one prompt, and the same forward would give the same bits
         self.prefixes: OrderedDict[tuple, tuple] = OrderedDict() if prefixes is None else prefixes
-        self.prefix_limit = prefix_limit
+        self.prefix_limit = PREFIX_CACHE_PROMPTS if prefixes is None else None
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
 

@@ -89,8 +89,7 @@ def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: in
         raise ReproError(f"prompts {too_long} leave no room for {max_new_tokens} new tokens "
                          f"within {max_len}: raise limits.context_tokens")
     slots = max(rows, min(slots, -(-len(seqs) // rows) * rows))
-    kept = {} if prefills is None else {"prefixes": prefills, "prefix_limit": None}
-    Engine(model, {}, slots, slots * max_len, max_len, rows, **kept).generate(seqs)
+    Engine(model, {}, slots, slots * max_len, max_len, rows, prefills).generate(seqs)
     failed = [seq.error.message for seq in seqs if seq.error is not None]
     if failed:
         raise ReproError(f"{len(failed)} of {len(seqs)} generations failed: {failed[0]}")

@@ -66,10 +66,10 @@ class MicroBatch:
     # (None: every column was sampled from the whole vocabulary)
     candidates: torch.Tensor | None
     candidates_valid: torch.Tensor | None
-    # (B, L) every token of each sample (-1 pads) and the first column it comes before: the
-    # tokens a repetition penalty applied to when each column was sampled
+    # (B, L) every token of each sample, left-aligned, -1 pads: the tokens a repetition
+    # penalty applied to when each column was sampled (token i of n precedes the columns
+    # from i + W + 1 - n on)
     seen_ids: torch.Tensor
-    seen_from: torch.Tensor
     row_tokens: list[int]  # tokens forwarded per row
     row_samples: list[int]  # samples per row
     row_costs: list[int]  # attention pairs per row
@@ -118,7 +118,7 @@ def loss_columns(samples: list, top_k: int, pad_id: int) -> dict[str, torch.Tens
     return {"trained": trained, "targets": targets, "sampler_logp": sampler,
             "top_ids": top_ids, "top_sampler_logp": top_logp,
             "advantages": torch.tensor([s.advantage for s in samples], dtype=torch.float32),
-            **candidate_columns(samples, width), **seen_columns(samples, width)}
+            **candidate_columns(samples, width), **seen_columns(samples)}
 
 
 def candidate_columns(samples: list, width: int) -> dict:
@@ -138,17 +138,13 @@ def candidate_columns(samples: list, width: int) -> dict:
     return {"candidates": candidates, "candidates_valid": valid}
 
 
-def seen_columns(samples: list, width: int) -> dict:
-    """What came before each column (vLLM's repetition penalty applies to every token of the
-    request's prompt and output so far): each sample's tokens, and for each the first column
-    after it (column c holds token n - W + c; tokens before the window precede every column)."""
-    length = max(s.tokens for s in samples)
-    ids = torch.full((len(samples), length), -1, dtype=torch.long)
-    first = torch.zeros((len(samples), length), dtype=torch.long)
+def seen_columns(samples: list) -> dict:
+    """Each sample's tokens (vLLM's repetition penalty applies to every token of the request's
+    prompt and output so far), left-aligned and padded with -1."""
+    ids = torch.full((len(samples), max(s.tokens for s in samples)), -1, dtype=torch.long)
     for b, s in enumerate(samples):
         ids[b, : s.tokens] = torch.tensor(s.sequence.input_ids)
-        first[b, : s.tokens] = (torch.arange(s.tokens) + width + 1 - s.tokens).clamp(min=0)
-    return {"seen_ids": ids, "seen_from": first}
+    return {"seen_ids": ids}
 
 
 class Plan:

@@ -81,6 +81,16 @@ def parse_completion(body: dict) -> Completion:
 # setting left out would sample from a distribution the trainer does not score.
 NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0,
                     "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+def request_body(model: str, prompt_ids: list[int], settings: dict, generate: bool) -> dict:
+    """A sampling request: `/inference/v1/generate`'s body (`generate`) or `/v1/completions`'s,
+    with `settings` (max_tokens, temperature, seed, logprobs, ...) over NEUTRAL_SAMPLING."""
+    settings = {**NEUTRAL_SAMPLING, "n": 1, "skip_special_tokens": False, **settings}
+    if generate:
+        return {"model": model, "token_ids": prompt_ids, "sampling_params": settings}
+    return {"model": model, "prompt": prompt_ids, "return_token_ids": True,
+            "return_tokens_as_token_ids": True, "stream": False, **settings}
 _SAMPLE = re.compile(r"^(vllm:[a-zA-Z_]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
 
 
@@ -147,19 +157,11 @@ class CompletionClient:
         as is, and `sampling_mask` asks `/inference/v1/generate` for the candidate sets."""
         import aiohttp
 
-        if sampling_mask:
-            path, parse = "/inference/v1/generate", parse_generate
-            body = {"model": model, "token_ids": prompt_ids, "sampling_params": {
-                "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                "logprobs": logprobs, "n": 1, "skip_special_tokens": False,
-                **NEUTRAL_SAMPLING, **(sampling or {})}}
-        else:
-            path, parse = "/v1/completions", parse_completion
-            body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                    "temperature": temperature, "seed": seed, "logprobs": logprobs, "n": 1,
-                    "return_token_ids": True, "return_tokens_as_token_ids": True,
-                    "skip_special_tokens": False, "stream": False, **NEUTRAL_SAMPLING,
-                    **(sampling or {})}
+        path, parse = (("/inference/v1/generate", parse_generate) if sampling_mask
+                       else ("/v1/completions", parse_completion))
+        body = request_body(model, prompt_ids, {
+            "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
+            "logprobs": logprobs, **(sampling or {})}, generate=sampling_mask)
         retries, last = 0, None
         while True:
             try:
@@ -305,10 +307,9 @@ class ServerAdmin:
     def sampling_mask_missing(self, model: str, prompt_ids: list[int]) -> str | None:
         """Why the server cannot return candidate sets (None: it can): a one-token
         `/inference/v1/generate` with top_k, whose answer must carry `sampling_mask`."""
-        response = self.request("POST", "/inference/v1/generate", json={
-            "model": model, "token_ids": prompt_ids, "sampling_params": {
-                **NEUTRAL_SAMPLING, "max_tokens": 1, "temperature": 1.0, "top_k": 1,
-                "logprobs": 0}})
+        response = self.request("POST", "/inference/v1/generate", json=request_body(
+            model, prompt_ids, {"max_tokens": 1, "temperature": 1.0, "top_k": 1, "logprobs": 0},
+            generate=True))
         if response.status_code in (403, 404, 405):
             return (f"it has no token-in/token-out endpoint (HTTP {response.status_code} on "
                     "/inference/v1/generate: start it with --enable-scale-out, vLLM >= 0.28)")
@@ -354,11 +355,9 @@ class ServerAdmin:
     def complete(self, model: str, prompt_ids: list[int], max_tokens: int,
                  temperature: float, seed: int) -> Completion:
         """One sampling request, blocking (the trainer's canary); errors raise at once."""
-        response = self.request("POST", "/v1/completions", json={
-            "model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
-            "temperature": temperature, "seed": seed, "logprobs": 0, "n": 1,
-            "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False, "stream": False, **NEUTRAL_SAMPLING})
+        response = self.request("POST", "/v1/completions", json=request_body(
+            model, prompt_ids, {"max_tokens": max_tokens, "temperature": temperature,
+                                "seed": seed, "logprobs": 0}, generate=False))
         if response.status_code != 200:
             raise RuntimeError(f"the server at {self.base_url} refused a request for {model}: "
                                f"HTTP {response.status_code} {server_message(response.text)}")

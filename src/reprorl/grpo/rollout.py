@@ -55,7 +55,7 @@ from .agents import (
 from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 from .processes import die_with_parent
-from .rows import StreamRows, epoch_order, map_positions  # noqa: F401 (epoch_order: hooks')
+from .rows import epoch_length, epoch_order, map_positions  # noqa: F401 (epoch_order: hooks')
 from .weights import served_name
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
@@ -338,15 +338,12 @@ class AsyncRolloutLoop:
         top = self.config.num_sampler_logprobs if self.config.score_centering else 0
         settings = {"prompt_ids": prompt_ids, "max_tokens": self.config.max_completion_length,
                     "temperature": self.config.temperature, "seed": seed, "logprobs": top}
-        sampling = {}
-        if self.config.repetition_penalty != 1:
-            sampling["repetition_penalty"] = self.config.repetition_penalty
+        config = self.config
+        settings["sampling"] = {"top_k": config.top_k, "top_p": config.top_p,
+                                "min_p": config.min_p or 0.0,
+                                "repetition_penalty": config.repetition_penalty}
         if self.config.truncated_sampling:  # the candidate sets too, when the server has them
-            sampling.update(top_k=self.config.top_k, top_p=self.config.top_p)
-            if self.config.min_p is not None:
-                sampling["min_p"] = self.config.min_p
             settings["sampling_mask"] = self.sampling_mask
-        settings["sampling"] = sampling
         model = _MODEL.get(self.model_name)
         try:
             reply, retries = await self.client.complete(model=model, **settings)
@@ -507,11 +504,10 @@ class AsyncRolloutLoop:
             self.record("rollout/backpressure_s", held_back)
 
     async def _produce(self) -> None:
-        stream = isinstance(self.dataset, StreamRows)
-        last = None if stream else len(self.dataset) - 1  # a stream's epochs end unannounced
-        end = None
+        length = epoch_length(self.dataset)  # None: a stream, whose epochs end unannounced
+        stream, end = length is None, None
         if self.config.max_steps <= 0:  # a stream has max_steps (rows.as_rows)
-            end = math.ceil(self.config.num_train_epochs * len(self.dataset))
+            end = math.ceil(self.config.num_train_epochs * length)
         source = self.dataset.positions(self.start) if stream else map_positions(
             self.dataset, self.start, self.config.data_order_seed,
             self.config.train_sampling_strategy == "random")
@@ -528,9 +524,7 @@ class AsyncRolloutLoop:
                     raise RuntimeError(f"filter_prompt rejected every prompt of epoch "
                                        f"{current_epoch}: no sample can reach the trainer; "
                                        "loosen the filter")
-                current_epoch = epoch
-            if index == 0:
-                accepted_in_epoch = 0
+                current_epoch, accepted_in_epoch = epoch, 0
             if position in self.consumed_after_cursor:
                 continue
             if self.filter_prompt(row_index, row, epoch):
@@ -545,7 +539,7 @@ class AsyncRolloutLoop:
                 group_id += 1
             else:
                 self._put(GroupResult(position, [], "filtered"))
-            if index == last and accepted_in_epoch == 0:
+            if not stream and index == length - 1 and accepted_in_epoch == 0:
                 raise RuntimeError(f"filter_prompt rejected every prompt of epoch {epoch}: no "
                                    "sample can reach the trainer; loosen the filter")
         while tasks and not self.stopping():  # let the last groups finish

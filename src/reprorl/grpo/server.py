@@ -281,6 +281,12 @@ def copy_weights(targets: dict[str, torch.Tensor], tensors: dict[str, torch.Tens
 # ---------------------------------------------------------------- HTTP
 
 
+def json_logprob(value: float) -> float:
+    """A log-prob as vLLM writes it: -inf (a token truncation removed) as -9999.0, which JSON
+    can hold."""
+    return max(value, -9999.0)
+
+
 @dataclass(frozen=True)
 class Reply:
     """What a completion's response needs from its request body (the body is not kept)."""
@@ -648,8 +654,8 @@ class Server:
         seq = await self.run(prompt, params, model, seed)
         content = None
         if seq.params.logprobs is not None:
-            content = [{"token_id": tid, "logprob": max(value, -9999.0), "rank": rank,
-                        "top_logprobs": [{"token_id": other, "logprob": max(v, -9999.0)}
+            content = [{"token_id": tid, "logprob": json_logprob(value), "rank": rank,
+                        "top_logprobs": [{"token_id": other, "logprob": json_logprob(v)}
                                          for other, v in zip(ids, values)]}
                        for tid, (value, ids, values), rank in zip(
                            seq.generated, seq.logprobs, seq.ranks)]
@@ -673,14 +679,14 @@ class Server:
         if seq.params.logprobs is not None:
             logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
             for tid, (value, ids, values) in zip(seq.generated, seq.logprobs):
-                top = {piece(tid): max(value, -9999.0)}  # the sampled token first, as vLLM
+                top = {piece(tid): json_logprob(value)}  # the sampled token first, as vLLM
                 for other, other_value in zip(ids, values):
-                    top.setdefault(piece(other), max(other_value, -9999.0))
+                    top.setdefault(piece(other), json_logprob(other_value))
                 tokens = logprobs["tokens"]
                 logprobs["text_offset"].append(
                     logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else 0)
                 tokens.append(piece(tid))
-                logprobs["token_logprobs"].append(max(value, -9999.0))
+                logprobs["token_logprobs"].append(json_logprob(value))
                 logprobs["top_logprobs"].append(top)
         with_ids = reply.with_ids
         choice = {

@@ -310,12 +310,15 @@ def penalise_columns(columns: torch.Tensor, batch: MicroBatch, penalty: float) -
     logits of the tokens before it in its sample penalised (`engine.penalise_repeats`). Only
     the ids the batch holds are gathered, penalised and scattered back: one (B, W, V) copy
     more, not a (B, W, V) mask and its temporaries (V is 151,936 for Qwen)."""
-    rows, width = batch.seen_ids.shape[0], columns.shape[1]
-    ids = batch.seen_ids[batch.seen_ids >= 0].unique()  # sorted
-    where = torch.searchsorted(ids, batch.seen_ids.clamp(min=0))
-    where = where.masked_fill(batch.seen_ids < 0, len(ids))  # pads to a dropped column
-    first = torch.full((rows, len(ids) + 1), width, dtype=torch.long)
-    first.scatter_reduce_(1, where, batch.seen_from, "amin")
+    tokens, width = batch.seen_ids, columns.shape[1]
+    rows, real = len(tokens), tokens >= 0
+    # token i of a sample of n tokens comes before columns i + W + 1 - n on (column c holds
+    # token n - W + c)
+    after = torch.arange(tokens.shape[1]) + width + 1 - real.sum(1, keepdim=True)
+    ids = tokens[real].unique()  # sorted
+    where = torch.searchsorted(ids, tokens.clamp(min=0)).masked_fill(~real, len(ids))
+    first = torch.full((rows, len(ids) + 1), width, dtype=torch.long)  # pads: a dropped column
+    first.scatter_reduce_(1, where, after.clamp(min=0), "amin")
     seen = first[:, None, :-1] <= torch.arange(width)[None, :, None]  # (B, W, U)
     index = ids.expand(rows, width, -1)
     return columns.scatter(-1, index, penalise_repeats(columns.gather(-1, index), seen,
