@@ -34,12 +34,12 @@ How the arms differ (each side's own defaults, the reprorl side those of configs
   embedded server (`reprorl serve`, its own process, 1 torch thread, continuous batching)
   while the trainer trains, on the fixed schedule of the profile (`schedule_lag` 3: step s
   trains samples drawn by weight version s - 3, so up to 4 blocks are in flight);
-- threads: TRL's one process has `--trl-threads` torch threads (default 1), reprorl's
-  trainer 1 (`--trainer-threads`) beside the server's 1, as the pipeline's GRPO rule runs:
-  so by default TRL computes on one core and reprorl on two. Measured here beside another
-  job using the cores, TRL with 2 threads took 52 s for 3 steps against 6.5 s with 1 (the
-  same tokens): its threads wait on each other when a core is taken; on an idle machine
-  `--trl-threads 2` gives TRL the same two cores;
+- threads: TRL's one process has `--trl-threads` torch threads, by default what TRL gets
+  when nobody sets them (torch's default: one per core, 2 here); reprorl's trainer 1
+  (`--trainer-threads`) beside the server's 1, as the pipeline's GRPO rule runs: both sides
+  compute on the machine's two cores. Beside another job using the cores TRL's two threads
+  wait on each other (measured: 52 s for 3 steps against 6.5 s with 1, the same tokens), so
+  on a busy machine `--trl-threads 1` is TRL's better setting;
 - samples per step: TRL trains all 16, a group whose 4 rewards are equal included (its
   advantages are 0: its tokens are in the loss and its normalisation but move nothing);
   reprorl drops such a group before training, so a step has 16 samples or fewer, and a block
@@ -349,13 +349,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per arm")
     parser.add_argument("--rounds", type=int, default=2,
                         help="times to run the pair TRL, reprorl (alternating)")
-    parser.add_argument("--trl-threads", type=int, default=1,
-                        help="torch threads of TRL's single process (2 on an idle machine "
-                             "gives it reprorl's two cores)")
+    parser.add_argument("--trl-threads", type=int, default=None,
+                        help="torch threads of TRL's single process (default: torch's own "
+                             "default, one per core, as TRL runs when nobody sets it)")
     parser.add_argument("--trainer-threads", type=int, default=1,
                         help="torch threads of reprorl's trainer (its embedded server has 1)")
     args = parser.parse_args()
     trl_version = require_trl()
+    if args.trl_threads is None:  # read before an arm sets it: the arms share this process
+        import torch
+
+        args.trl_threads = torch.get_num_threads()
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # "Loading weights" at every model load

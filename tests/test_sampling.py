@@ -78,6 +78,35 @@ def test_a_group_sharing_a_prompt_reuses_one_prefill_with_the_same_bits(model):
     assert engine.counters["prefix_cache_hits"] == 3 * prompt_tokens  # each prompt's 3 repeats
 
 
+def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
+    """Eight sequences on 8 slots in groups of 4; every other one ends after 2 tokens, so two
+    half-empty groups remain and nobody waits: the engine moves the two highest into the
+    first group's holes (KV and all), then decodes one group a step, not two, and every
+    sequence still draws the bits it draws alone."""
+    from reprorl.engine import Engine, Params, Sequence
+
+    pool = prompts(8, 13)
+    limits = [2, 24] * 4
+    alone = [sample_many(model, [p], limit, -1, MAX_LEN, generators([i]), rows=4)[0]
+             for i, (p, limit) in enumerate(zip(pool, limits))]
+    seqs = [Sequence(list(p), Params(max_tokens=limit, temperature=1.0, logprobs=0),
+                     None, generator)
+            for p, limit, generator in zip(pool, limits, generators(range(8)))]
+    engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
+    forwards = []
+    decode_group = engine.decode_group
+    engine.decode_group = lambda first, members: forwards.append(first) or decode_group(
+        first, members)
+    engine.generate(seqs)
+    for seq, expected in zip(seqs, alone):
+        assert seq.generated == expected.response_ids
+        assert [lp for lp, _, _ in seq.logprobs] == expected.logprobs
+    assert engine.moves == 2
+    # prefill draws token 1; one step of both groups draws token 2 and ends the short ones;
+    # the long ones' 22 remaining tokens then take one forward each
+    assert forwards == [0, 4] + [0] * 22
+
+
 def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(model):
     """The curves' greedy and sampled passes over one set of prompts: the second call, given
     the first's store, prefills nothing and draws the bits it draws without the store."""

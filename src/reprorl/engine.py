@@ -189,8 +189,11 @@ class Engine(threading.Thread):
     length is the group's longest row rounded up to 64 (with the positions beyond each row
     masked, the result does not depend on that length, measured); a prompt is prefilled alone
     (the samples of a group, which share it, reuse one prefill: the same forward, same bits);
-    a sequence keeps its slot until it ends, so nothing is ever recomputed (no preemption: a
-    request waits for a free slot). `tests/test_server.py` checks the invariance end to end.
+    nothing is ever recomputed (no preemption: a request waits for a free slot). When
+    sequences end and nobody waits, the sequences of the highest slots move, KV and all, into
+    the holes of lower groups (`compact`): since a row's bits depend neither on its place nor
+    on the window length, a move changes no bit, and the running sequences decode in as few
+    forwards as they can. `tests/test_server.py` checks the invariance end to end.
     """
 
     def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
@@ -220,6 +223,7 @@ class Engine(threading.Thread):
         self.prefix_limit = PREFIX_CACHE_PROMPTS if prefixes is None else None
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
+        self.moves = 0  # sequences moved to a lower slot by `compact`
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to their ends in the caller's thread, the same steps the background
@@ -351,6 +355,28 @@ class Engine(threading.Thread):
                     self.finish(seq, seq.finish_reason)
                 else:
                     seq.resolve(seq.error)
+            if not self.waiting:  # a waiting request fills a hole at no cost: no move then
+                self.compact()
+
+    def compact(self) -> None:
+        """While the running sequences use more decode groups than they would fill, move the
+        sequence of the highest slot into a hole of a lower group, one in use if there is."""
+        while True:
+            used = {seq.slot // self.rows for seq in self.running}
+            if len(used) <= -(-len(self.running) // self.rows):
+                return
+            last = max(self.running, key=lambda seq: seq.slot)
+            hole = min((slot for slot in self.free if slot // self.rows < last.slot // self.rows),
+                       key=lambda slot: (slot // self.rows not in used, slot))
+            for layer in self.cache.layers:
+                for store in (layer.keys, layer.values):
+                    store[hole].zero_()  # as a prefill does: no stale value past its length
+                    store[hole, :, :last.length] = store[last.slot, :, :last.length]
+            self.free.remove(hole)
+            self.free.append(last.slot)
+            self.free.sort()
+            last.slot = hole
+            self.moves += 1
 
     def guarded(self, seq: Sequence, work, *args):
         """`work(*args)`; an exception fails `seq` (its request gets a 500), nothing else."""
