@@ -460,6 +460,8 @@ class Engine(threading.Thread):
         for key, (_, rows) in by_adapter.items():
             chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
             chosen[key][rows] = True
+            if len(rows) == len(members):  # every decoding row: the other rows are dummies
+                chosen[key] = None
         for name, switch in self.switches.items():
             switch.by_row = [(adapter.weights[name], chosen[key])
                              for key, (adapter, _) in by_adapter.items()

@@ -119,17 +119,19 @@ def _refuse_constant(name: str):
 class Switch(nn.Module):
     """A base linear layer plus an adapter (`lora.with_adapter`): one for the whole input
     (`active`, while one prompt is prefilled), or one per batch row (`by_row`, while every
-    slot decodes): each adapter is applied to all rows, a fixed shape, and kept on its own."""
+    slot decodes): each adapter is applied to all rows, a fixed shape, and kept on its own
+    rows (all of them when it serves every decoding row: the others are dummies)."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.base, self.active = base, None  # active: (A, B, scale) or None
-        self.by_row: list = []  # [((A, B, scale), rows: bool [slots, 1, 1])]
+        self.by_row: list = []  # [((A, B, scale), rows: bool [slots, 1, 1] or None: all)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
         for weights, rows in self.by_row:
-            result = torch.where(rows, with_adapter(result, x, *weights), result)
+            adapted = with_adapter(result, x, *weights)
+            result = adapted if rows is None else torch.where(rows, adapted, result)
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
