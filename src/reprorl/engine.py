@@ -368,10 +368,9 @@ class Engine(threading.Thread):
             last = max(self.running, key=lambda seq: seq.slot)
             hole = min((slot for slot in self.free if slot // self.rows < last.slot // self.rows),
                        key=lambda slot: (slot // self.rows not in used, slot))
-            for layer in self.cache.layers:
-                for store in (layer.keys, layer.values):
-                    store[hole].zero_()  # as a prefill does: no stale value past its length
-                    store[hole, :, :last.length] = store[last.slot, :, :last.length]
+            self.fill_slot(hole, [(layer.keys[last.slot, :, :last.length],
+                                   layer.values[last.slot, :, :last.length])
+                                  for layer in self.cache.layers])
             self.free.remove(hole)
             self.free.append(last.slot)
             self.free.sort()
@@ -411,14 +410,17 @@ class Engine(threading.Thread):
                 self.prefixes.popitem(last=False)
         if self.cache is None:  # at the first prefill: its shapes and dtype
             self.cache = self.allocate(kv)
-        for slot_layer, (keys, values) in zip(self.cache.layers, kv):
-            # zeroed first: a masked position still meets its weight 0 in the attention sum,
-            # and 0 x Inf left by an earlier occupant would be NaN
-            slot_layer.keys[seq.slot].zero_()
-            slot_layer.values[seq.slot].zero_()
-            slot_layer.keys[seq.slot, :, :seq.length] = keys
-            slot_layer.values[seq.slot, :, :seq.length] = values
+        self.fill_slot(seq.slot, kv)
         self.sample(seq, logits)
+
+    def fill_slot(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write one sequence's per-layer (keys, values), [kv heads, its length, head dim],
+        at the start of `slot`, zeroing the rest: a masked position still meets its weight 0
+        in the attention sum, and 0 x Inf left by an earlier occupant would be NaN."""
+        for slot_layer, pair in zip(self.cache.layers, kv):
+            for store, tensor in zip((slot_layer.keys, slot_layer.values), pair):
+                store[slot].zero_()
+                store[slot, :, :tensor.shape[1]] = tensor
 
     def allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
         """The KV slots, shaped after one prompt's per-layer (keys, values): [kv heads, its
@@ -458,10 +460,11 @@ class Engine(threading.Thread):
                 by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(row)
         chosen = {}
         for key, (_, rows) in by_adapter.items():
-            chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
-            chosen[key][rows] = True
             if len(rows) == len(members):  # every decoding row: the other rows are dummies
                 chosen[key] = None
+            else:
+                chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
+                chosen[key][rows] = True
         for name, switch in self.switches.items():
             switch.by_row = [(adapter.weights[name], chosen[key])
                              for key, (adapter, _) in by_adapter.items()
