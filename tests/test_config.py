@@ -47,6 +47,25 @@ def test_errors_name_the_key(raw, message):
         configuration.validate(raw)
 
 
+def test_command_line_mappings_get_the_types_a_config_file_gives():
+    # Snakemake's own parser: a mapping after --config arrives with every scalar a string
+    from snakemake.cli import parse_config
+
+    raw = parse_config(["grpo={nproc_per_node: 2, ddp_timeout: 617, ddp_backend: null, "
+                        "learning_rate: 1e-5, gradient_checkpointing: true}",
+                        "limits={response_tokens: 32}", "seeds=[49,50]"])
+    assert raw["grpo"]["ddp_timeout"] == "617"  # what validate must undo
+    result = configuration.validate(raw)
+    assert {k: result["grpo"][k] for k in raw["grpo"]} == {
+        "nproc_per_node": 2, "ddp_timeout": 617, "ddp_backend": None, "learning_rate": 1e-5,
+        "gradient_checkpointing": True}
+    assert result["limits"]["response_tokens"] == 32 and result["seeds"] == [49, 50]
+    with pytest.raises(ConfigError, match="config key grpo.ddp_backend: 'nccl' is not one of"):
+        configuration.validate(parse_config(["grpo={ddp_backend: nccl}"]))
+    with pytest.raises(ConfigError, match="config key grpo.ddp_timeout: 'soon' is not of type"):
+        configuration.validate(parse_config(["grpo={ddp_timeout: soon}"]))
+
+
 @pytest.mark.parametrize(
     "raw, key",
     [
@@ -114,7 +133,8 @@ def test_missing_and_malformed_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     for value, kind in (([1, 2], "a list"), (0, "a number"), ("text", "a string")):
         bad.write_text(yaml.safe_dump(value))
-        with pytest.raises(ConfigError, match=f"must hold a mapping of keys to values, not {kind}"):
+        message = f"must hold a mapping of keys to values, not {kind}"
+        with pytest.raises(ConfigError, match=message):
             configuration.load(bad)
     bad.write_text("")
     assert configuration.load(bad) == configuration.validate({})  # empty: every default

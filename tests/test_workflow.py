@@ -573,7 +573,7 @@ def test_grpo_stages_run_on_two_trainer_ranks(workflow, tmp_path):
     copy = copy_workflow(tmp_path / "wf", origin=workflow,
                          extra=("data", "assets", "outputs", "logs", ".snakemake"))
     target = "outputs/learning/grpo_learned/resume-check.json"
-    ranks = ("--config", "grpo={nproc_per_node: 2}")
+    ranks = ("--config", "grpo={nproc_per_node: 2, ddp_timeout: 617}")
     # (in the full suite the copy may also plan earlier stages that tests before it touched)
     assert planned_rules(copy, target, *ranks) >= {f"grpo_learned_{mode}" for mode in MODES}
     done = run(copy, target, "-p", *ranks)
@@ -583,7 +583,15 @@ def test_grpo_stages_run_on_two_trainer_ranks(workflow, tmp_path):
     assert sorted(launches) == sorted(f"grpo_learned_{m}" for m in ("interrupt", "continuous",
                                                                      "resume"))
     assert read_json(copy / target)["status"] == "PASS"
+    # the profile's timeout is the process group's (grpo_run joins it before the trainer)
+    for mode in ("interrupt", "continuous", "resume"):
+        log = (copy / f"logs/grpo_learned_{mode}.log").read_text()
+        assert "trainer ranks: 2 (gloo, ddp_timeout 617 s)" in log, mode
     report = read_json(copy / "outputs/learning/grpo_learned/continuous.json")
     assert report["steps"] > 0
     manifest = read_json(copy / "outputs/manifests/grpo_learned_resume.json")
     assert manifest["hashed"]["stage"] == "grpo_learned_resume"  # written once, by rank 0
+    # its costs count both ranks: rank 1's CPU seconds are in the stage's
+    (other,) = manifest["run"]["other_ranks"]
+    assert other["cpu_seconds"] > 0 and other["peak_rss_mb"] > 0
+    assert manifest["run"]["cpu_seconds"] > other["cpu_seconds"]

@@ -54,13 +54,17 @@ def validate(config: Mapping) -> dict:
         raise ConfigError(f"the config must be a mapping of keys to values, not {_kind(config)}"
                           f" ({HINT})")
     config = copy.deepcopy(dict(config))
-    _refuse_non_finite(config)
     # `snakemake --config seeds=[49,50]` or `grpo='{nproc_per_node: 2}'` parses the list or
-    # the mapping with YAML's BaseLoader: their numbers arrive as strings
+    # the mapping with YAML's BaseLoader: their numbers, booleans and nulls arrive as strings
     if isinstance(config.get("seeds"), list):
         config["seeds"] = [_whole(s) for s in config["seeds"]]
-    if isinstance(config.get("grpo"), dict) and "nproc_per_node" in config["grpo"]:
-        config["grpo"]["nproc_per_node"] = _whole(config["grpo"]["nproc_per_node"])
+    for name, section in config.items():
+        if isinstance(section, dict):
+            properties = schema()["properties"].get(name, {}).get("properties", {})
+            for key, value in section.items():
+                if isinstance(value, str) and key in properties:
+                    section[key] = _scalar(value, properties[key])
+    _refuse_non_finite(config)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(config))
     if error is not None:
@@ -76,6 +80,26 @@ def validate(config: Mapping) -> dict:
 
 def _whole(value):
     return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
+def _scalar(text: str, spec: dict):
+    """`text` as the YAML scalar of the kind `spec` allows (the text itself if none fits): what
+    a config file would have given for it."""
+    kinds = spec.get("type", [])
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if None in spec.get("enum", ()) or "null" in kinds:
+        if text in ("null", "~", "Null", "NULL"):
+            return None
+    if "boolean" in kinds and text in ("true", "false"):
+        return text == "true"
+    if "integer" in kinds and text.lstrip("+-").isdigit():
+        return int(text)
+    if "number" in kinds:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _refuse_non_finite(value, where: tuple = ()) -> None:

@@ -43,6 +43,7 @@ from .grpo.metrics import read_windows, reproducible
 from .manifest import (
     atomic_directory,
     atomic_write_bytes,
+    cpu_seconds,
     peak_rss_mb,
     read_json,
     refuse_to_overwrite,
@@ -187,14 +188,6 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     reward_sha256 = verified_final("reward")[1]["sha256"] if run == "learned" else None
     actor, sft_meta = load_final("sft", "actor", config)
     initial = roles.learned_identity(actor)
-    ranks = ranks_from_env()
-    if ranks.world_size != nproc:
-        raise ReproError(f"{stage_name} runs {ranks.world_size} trainer rank(s) but "
-                         f"grpo.nproc_per_node is {nproc}: launch it as its rule does (torchrun "
-                         f"--nproc-per-node {nproc}), or set grpo.nproc_per_node")
-    if ranks.main:
-        refuse_to_overwrite(layout.state(branch, mode))  # inputs are sound: checkpoints kept
-        shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
     args = AsyncGRPOConfig(
@@ -202,6 +195,16 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
         dtype=config["model"]["dtype"],
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
+    # the ranks join their process group here, with the profile's backend and timeout (the
+    # trainer's own call then finds the group joined)
+    ranks = ranks_from_env(args.ddp_backend, args.ddp_timeout)
+    if ranks.world_size != nproc:
+        raise ReproError(f"{stage_name} runs {ranks.world_size} trainer rank(s) but "
+                         f"grpo.nproc_per_node is {nproc}: launch it as its rule does (torchrun "
+                         f"--nproc-per-node {nproc}), or set grpo.nproc_per_node")
+    if ranks.main:
+        refuse_to_overwrite(layout.state(branch, mode))  # inputs are sound: checkpoints kept
+        shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     stop, planned = interrupt_step(args, len(rows)), planned_steps(args, len(rows))
     if mode == "continuous":  # a checkpoint at each curve point: its adapter is kept
         args.save_steps = snapshots.every(planned)
@@ -228,9 +231,12 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from,
                            interrupt_after_step=stop if mode == "interrupt" else None)
+    seconds = time.perf_counter() - started
+    # every rank's cost, gathered before the others leave, so the manifest counts them all
+    rank_costs = ranks.gather({"cpu_seconds": round(cpu_seconds(), 3),
+                               "peak_rss_mb": round(peak_rss_mb(), 1)})
     if not ranks.main:
         return None
-    seconds = time.perf_counter() - started
     reached = result.global_step == stop  # fewer: the run ended first (empty blocks)
     if mode == "interrupt" and not reached:
         log(f"warning: {branch} ended after {result.global_step} of the {stop} steps before "
@@ -280,7 +286,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     }
     # costs vary run to run: they go to the manifest's run section, not into this file
     write_json(layout.learning_report(branch, mode), report)
-    return {**report, "seconds": seconds}
+    return {**report, "seconds": seconds, "other_ranks": rank_costs[1:]}
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
@@ -289,8 +295,13 @@ def stage(name: str, config: dict, run, log=print) -> dict:
     if summary is None:  # a torchrun rank other than 0: rank 0 writes the manifest
         run.leave_to_another_process()
         return {"rank": ranks_from_env().rank}
+    costs = {"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()}
+    if summary["other_ranks"]:  # torchrun: this process is rank 0, the others cost too
+        costs.update(cpu_seconds=round(cpu_seconds() + sum(
+            r["cpu_seconds"] for r in summary["other_ranks"]), 3),
+            other_ranks=summary["other_ranks"])
     run.finish(
         summary={k: summary[k] for k in ("run", "mode", "steps", "first_windows",
                                          "last_windows")},
-        run_info={"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()})
+        run_info=costs)
     return {k: summary[k] for k in ("run", "mode", "steps", "seconds", "last_windows")}

@@ -71,6 +71,8 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
+    backend: str | None = None  # the process group's, when there is one
+    timeout_s: float | None = None
 
     @property
     def main(self) -> bool:
@@ -113,18 +115,35 @@ class Ranks:
         return DistributedDataParallel(model, **{name: False})
 
 
-def ranks_from_env(backend: str | None = None, timeout_s: float = 1800.0) -> Ranks:
+_JOINED: dict = {}  # the backend and timeout this process joined its group with
+
+
+def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -> Ranks:
     """The ranks `torchrun` started (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment),
-    joining their process group on first use; one rank when none was started."""
+    joining their process group on first use (gloo and 1800 s unless given); one rank when
+    none was started. A later call that asks for another backend or timeout than the group
+    was joined with is refused: the first caller decides them, and a silent mismatch would
+    leave a profile's `ddp_timeout` unused."""
     if not dist.is_available():
         return Ranks()
+    # gloo: every tensor of this engine is on the CPU, even where CUDA is present
+    asked = {"backend": backend or "gloo", "timeout_s": timeout_s}
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return Ranks()
-        # gloo: every tensor of this engine is on the CPU, even where CUDA is present
-        dist.init_process_group(backend or "gloo", timeout=timedelta(seconds=timeout_s))
+        _JOINED.update(backend=asked["backend"], timeout_s=timeout_s or 1800.0)
+        dist.init_process_group(_JOINED["backend"],
+                                timeout=timedelta(seconds=_JOINED["timeout_s"]))
         atexit.register(_leave)
-    return Ranks(dist.get_rank(), dist.get_world_size())
+    elif _JOINED and (asked["backend"] != _JOINED["backend"] or timeout_s not in (
+            None, _JOINED["timeout_s"])):
+        raise RuntimeError(f"the trainer ranks joined their process group with "
+                           f"{_JOINED['backend']} and a {_JOINED['timeout_s']:g} s timeout; "
+                           f"{asked['backend']} and {timeout_s} s asked later cannot apply: "
+                           "pass ddp_backend and ddp_timeout to the first ranks_from_env call")
+    # a group the caller joined itself: its backend is known, its timeout is not
+    return Ranks(dist.get_rank(), dist.get_world_size(),
+                 _JOINED.get("backend", dist.get_backend()), _JOINED.get("timeout_s"))
 
 
 def _leave() -> None:

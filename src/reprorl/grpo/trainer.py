@@ -855,6 +855,10 @@ class AsyncGRPOTrainer:
         checkpointing(self.model, args.gradient_checkpointing)
         self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
         self.forward_model = self.ranks.wrap(self.model)  # every rank: DDP syncs them here
+        if self.ranks.distributed and self.ranks.main:
+            timeout = ("" if self.ranks.timeout_s is None
+                       else f", ddp_timeout {self.ranks.timeout_s:g} s")
+            self.log(f"trainer ranks: {self.ranks.world_size} ({self.ranks.backend}{timeout})")
         try:
             if self.ranks.main:
                 self._lead()
