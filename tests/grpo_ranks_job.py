@@ -22,7 +22,7 @@ import torch
 
 from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from reprorl.grpo.distributed import Setup, deal
+from reprorl.grpo.distributed import Setup, step_shares
 from reprorl.grpo.trainer import Step
 
 BUDGET, ROWS = 48, 1
@@ -37,10 +37,9 @@ class CountingTrainer(AsyncGRPOTrainer):
 
     trained: list[int]
 
-    def _train_on(self, step, batches):
-        local = deal(batches, self.ranks.world_size, self.ranks.rank)
-        self.trained.append(sum(len(samples) for samples in local))
-        super()._train_on(step, batches)
+    def _train_on(self, step, own):  # own: what rank 0 scattered to this rank
+        self.trained.append(sum(len(samples) for samples in own.microbatches))
+        super()._train_on(step, own)
 
 
 def rows(count: int) -> list[dict]:
@@ -81,7 +80,7 @@ def gradient(model: str, out: Path) -> None:
             args.per_device_train_batch_size = 4 * ROWS  # room for the union's rows
         trainer.run.batcher = trainer._batcher(Setup(BUDGET, 2))
         step = Step(microbatches=len(batches))
-        trainer._train_on(step, batches)
+        trainer._train_on(step, step_shares(batches, ranks.world_size)[ranks.rank])
         results.append({"loss": step.loss, "slots": step.slots,
                         "grads": {n: p.grad.clone() for n, p in parameters.items()}})
         trainer.run.optimizer.zero_grad(set_to_none=True)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from reprorl.grpo import AsyncGRPOConfig
-from reprorl.grpo.distributed import by_slot, deal, trained_tokens
+from reprorl.grpo.distributed import by_slot, deal, step_shares, trained_tokens
 from reprorl.grpo.identity import refuse_other_run, run_identity
 
 HERE = Path(__file__).parent
@@ -52,6 +52,12 @@ def test_micro_batches_are_dealt_round_robin_and_slots_count_every_rank():
     assert [len(by_slot(batches, n)) for n in (2, 1, 4)] == [2, 3, 1]
     assert [trained_tokens(slot) for slot in by_slot(batches, 2)] == [6, 4]
     assert deal(batches[:1], 2, 1) == []  # this rank forwards idle in that step
+    # what rank 0 scatters: each rank its own micro-batches, every slot's counts
+    shares = step_shares(batches, 2)
+    assert [s.microbatches for s in shares] == [deal(batches, 2, r) for r in (0, 1)]
+    assert all(s.slot_tokens == [6, 4] and s.slot_ranks == [2, 1] for s in shares)
+    (alone,) = step_shares(batches, 1)
+    assert alone.microbatches == batches and alone.slot_tokens == [3, 3, 4]
 
 
 def test_a_checkpoint_resumes_only_with_the_ranks_that_wrote_it(tmp_path):

@@ -4,16 +4,18 @@
 whole policy. DDP all-reduces their gradients, so every rank steps the same AdamW on the same
 gradient and the copies stay equal. Rank 0 alone owns the rollout worker, the server
 connection, weight sync, checkpoints and metrics. Each optimizer step it takes the step's
-micro-batches off the queue (N times what one rank takes) and sends them to every rank in one
-pickled broadcast (`Ranks.share`); micro-batch i is rank i % N's, in accumulation slot i // N
-(`deal`). The loss of slot k is normalised by the trained tokens of slot k's micro-batches on
+micro-batches off the queue (N times what one rank takes) and sends each rank its own in one
+pickled scatter (`Ranks.scatter` of `step_shares`): micro-batch i is rank i % N's, in
+accumulation slot i // N (`deal`), and a rank receives its micro-batches and, per slot, only
+the trained tokens and the number of ranks there (what its loss terms need), not the samples
+of the others. The loss of slot k is normalised by the trained tokens of slot k's micro-batches on
 every rank (`average_tokens_across_devices`, the seed's rule), so N ranks compute the gradient
 one rank computes when each slot's micro-batches are one (tests/test_grpo_ranks.py).
 
-Messages from rank 0, in order: a `Setup` once the server answers (the batcher's budget), then
-per step the step's micro-batches (a list of sample lists), and at the end `Finished`, or
+Messages from rank 0, all scattered, in order: a `Setup` once the server answers (the
+batcher's budget), then per step each rank's `StepShare`, and at the end `Finished`, or
 `Abort` when rank 0 failed while the others waited for it. Collectives per step: that
-broadcast, DDP's all-reduce in the last backward, and a gather of each rank's loss, token
+scatter, DDP's all-reduce in the last backward, and a gather of each rank's loss, token
 counts and metric records (`RankReport`) to rank 0, which logs them.
 
 Departures from the seed (TRL: accelerate with FSDP2): DDP, so each rank holds a full copy
@@ -56,6 +58,17 @@ class LeaderFailed(RuntimeError):
 
 
 @dataclass
+class StepShare:
+    """One rank's part of a step: its micro-batches (slot order) and, per accumulation slot of
+    the step, the trained tokens of every rank's micro-batch there and how many ranks have one
+    (the loss's denominator and weight)."""
+
+    microbatches: list
+    slot_tokens: list[int]
+    slot_ranks: list[int]
+
+
+@dataclass
 class RankReport:
     """One rank's part of a step, gathered to rank 0."""
 
@@ -88,6 +101,14 @@ class Ranks:
             return message
         box = [message if self.main else None]
         dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def scatter(self, messages: list | None = None):
+        """`messages[r]` on rank r: rank 0 passes one message per rank, the others nothing."""
+        if not self.distributed:
+            return messages[0]
+        box = [None]
+        dist.scatter_object_list(box, messages if self.main else None, src=0)
         return box[0]
 
     def gather(self, report) -> list | None:
@@ -166,3 +187,11 @@ def trained_tokens(slot: list) -> int:
     """The trained tokens of a slot's micro-batches on every rank: the loss's denominator
     under `average_tokens_across_devices`."""
     return sum(sum(s.sequence.trained) for samples in slot for s in samples)
+
+
+def step_shares(batches: list, world_size: int) -> list[StepShare]:
+    """Each rank's `StepShare` of a step's micro-batches, in rank order."""
+    slots = by_slot(batches, world_size)
+    tokens, counts = [trained_tokens(slot) for slot in slots], [len(slot) for slot in slots]
+    return [StepShare(deal(batches, world_size, rank), tokens, counts)
+            for rank in range(world_size)]

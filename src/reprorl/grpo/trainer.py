@@ -71,10 +71,9 @@ from .distributed import (
     LeaderFailed,
     RankReport,
     Setup,
-    deal,
+    StepShare,
     ranks_from_env,
-    by_slot,
-    trained_tokens,
+    step_shares,
 )
 from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
@@ -619,7 +618,7 @@ class AsyncGRPOTrainer:
         setup = Setup(args.token_budget or admin.max_model_len(),
                       args.num_sampler_logprobs if args.score_centering else 1)
         run.batcher = self._batcher(setup)
-        self.ranks.share(setup)
+        self._tell(setup)
         wanted = args.weight_sync_check
         check = (self._sync_check(admin)
                  if wanted or (wanted is None and not args.embedded_server) else None)
@@ -897,24 +896,28 @@ class AsyncGRPOTrainer:
         except BaseException as error:
             if self.ranks.distributed and self._others_wait:
                 try:
-                    self.ranks.share(Abort(f"{type(error).__name__}: {error}"))
+                    self._tell(Abort(f"{type(error).__name__}: {error}"))
                 except RuntimeError as lost:  # they are gone already: the error stands
                     self.log(f"warning: the other ranks were not told: {lost}")
             raise
-        self.ranks.share(Finished(run.loss_sum))
+        self._tell(Finished(run.loss_sum))
 
     def _follow(self) -> None:
         """A rank other than 0: trains on the micro-batches rank 0 deals it, step by step."""
         run = self.run
         run.batcher = self._batcher(self._message())
         while not isinstance(message := self._message(), Finished):
-            step = Step(microbatches=len(message))
+            step = Step(microbatches=sum(message.slot_ranks))
             self._train_on(step, message)
             self._optimizer_step(step)
         run.loss_sum = message.loss_sum  # the step losses rank 0 added up over every rank
 
+    def _tell(self, message) -> None:
+        """Rank 0: the same `message` to every other rank."""
+        self.ranks.scatter([message] * self.ranks.world_size)
+
     def _message(self):
-        message = self.ranks.share()
+        message = self.ranks.scatter()
         if isinstance(message, Abort):
             raise LeaderFailed(f"rank 0 stopped the run: {message.reason}")
         return message
@@ -978,26 +981,25 @@ class AsyncGRPOTrainer:
         step.sample_tokens = sum(s.tokens for s in step.samples)
         if batches:
             self._others_wait = False
-            ranks.share(batches)
-            self._train_on(step, batches)
+            own = ranks.scatter(step_shares(batches, ranks.world_size))
+            self._train_on(step, own)
             self._record_samples(step.samples, taken_at)
         return step
 
-    def _train_on(self, step: Step, batches: list[list[Sample]]) -> None:
+    def _train_on(self, step: Step, own: StepShare) -> None:
         """This rank's micro-batches of the step (all of them on one rank): forward and
         backward, loss and metrics; across ranks, rank 0 adds every rank's report to `step`.
         DDP all-reduces in each rank's last backward only (`no_sync` before it)."""
         run, args, ranks = self.run, self.args, self.ranks
-        world, local = ranks.world_size, deal(batches, ranks.world_size, ranks.rank)
-        step_slots = by_slot(batches, world)
-        step.slots = len(step_slots)
+        world, local = ranks.world_size, own.microbatches
+        step.slots = len(own.slot_tokens)
         across = ranks.distributed and args.average_tokens_across_devices
         # DDP averages the ranks' gradients over N. Across ranks, each slot's loss divides by
         # its trained tokens on every rank, so each rank's term is scaled by N (a sum); else
         # each rank's token mean by N / n_k, n_k the ranks with a micro-batch in slot k (a
         # mean over those, not over N: a part-filled slot counts fully)
-        denominators = [trained_tokens(slot) if across else None for slot in step_slots]
-        weights = [world if across else world / len(slot) for slot in step_slots]
+        denominators = [tokens if across else None for tokens in own.slot_tokens]
+        weights = [world if across else world / count for count in own.slot_ranks]
         report = RankReport(0.0, 0, 0)
         for k, samples in enumerate(local):
             started = time.monotonic()
