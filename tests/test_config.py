@@ -53,17 +53,23 @@ def test_command_line_mappings_get_the_types_a_config_file_gives():
 
     raw = parse_config(["grpo={nproc_per_node: 2, ddp_timeout: 617, ddp_backend: null, "
                         "learning_rate: 1e-5, gradient_checkpointing: true}",
-                        "limits={response_tokens: 32}", "seeds=[49,50]"])
+                        "limits={response_tokens: 32}", "seeds=[49,50]",
+                        "model={pretrain: {steps: 10}}"])
+    raw["grpo"]["num_train_epochs"] = "2"  # a number key: 2 as in a file, not 2.0
     assert raw["grpo"]["ddp_timeout"] == "617"  # what validate must undo
     result = configuration.validate(raw)
-    assert {k: result["grpo"][k] for k in raw["grpo"]} == {
-        "nproc_per_node": 2, "ddp_timeout": 617, "ddp_backend": None, "learning_rate": 1e-5,
-        "gradient_checkpointing": True}
+    typed = {k: result["grpo"][k] for k in raw["grpo"]}
+    assert typed == {"nproc_per_node": 2, "ddp_timeout": 617, "ddp_backend": None,
+                     "learning_rate": 1e-5, "gradient_checkpointing": True,
+                     "num_train_epochs": 2}
+    assert type(typed["num_train_epochs"]) is int
     assert result["limits"]["response_tokens"] == 32 and result["seeds"] == [49, 50]
+    assert result["model"]["pretrain"]["steps"] == 10  # nested mappings too
     with pytest.raises(ConfigError, match="config key grpo.ddp_backend: 'nccl' is not one of"):
         configuration.validate(parse_config(["grpo={ddp_backend: nccl}"]))
-    with pytest.raises(ConfigError, match="config key grpo.ddp_timeout: 'soon' is not of type"):
-        configuration.validate(parse_config(["grpo={ddp_timeout: soon}"]))
+    for text in ("soon", "--5", "²"):  # not a number: the schema names the key
+        with pytest.raises(ConfigError, match="config key grpo.ddp_timeout: '.*' is not of"):
+            configuration.validate(parse_config([f"grpo={{ddp_timeout: {text}}}"]))
 
 
 @pytest.mark.parametrize(

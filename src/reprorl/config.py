@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
@@ -58,12 +59,7 @@ def validate(config: Mapping) -> dict:
     # the mapping with YAML's BaseLoader: their numbers, booleans and nulls arrive as strings
     if isinstance(config.get("seeds"), list):
         config["seeds"] = [_whole(s) for s in config["seeds"]]
-    for name, section in config.items():
-        if isinstance(section, dict):
-            properties = schema()["properties"].get(name, {}).get("properties", {})
-            for key, value in section.items():
-                if isinstance(value, str) and key in properties:
-                    section[key] = _scalar(value, properties[key])
+    _typed(config, schema()["properties"])
     _refuse_non_finite(config)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(config))
@@ -82,18 +78,28 @@ def _whole(value):
     return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
+def _typed(mapping: dict, properties: dict) -> None:
+    """Each string of `mapping` (nested mappings too) as the scalar its schema allows."""
+    for key, value in mapping.items():
+        spec = properties.get(key, {})
+        if isinstance(value, dict):
+            _typed(value, spec.get("properties", {}))
+        elif isinstance(value, str):
+            mapping[key] = _scalar(value, spec)
+
+
 def _scalar(text: str, spec: dict):
-    """`text` as the YAML scalar of the kind `spec` allows (the text itself if none fits): what
+    """`text` as the YAML scalar of a kind `spec` allows (the text itself if none fits): what
     a config file would have given for it."""
     kinds = spec.get("type", [])
     kinds = [kinds] if isinstance(kinds, str) else kinds
     if None in spec.get("enum", ()) or "null" in kinds:
-        if text in ("null", "~", "Null", "NULL"):
+        if text in ("null", "Null", "NULL", "~"):
             return None
-    if "boolean" in kinds and text in ("true", "false"):
-        return text == "true"
-    if "integer" in kinds and text.lstrip("+-").isdigit():
-        return int(text)
+    if "boolean" in kinds and text in ("true", "True", "TRUE", "false", "False", "FALSE"):
+        return text.lower() == "true"
+    if ("integer" in kinds or "number" in kinds) and re.fullmatch(r"[-+]?[0-9]+", text):
+        return int(text)  # a number key's 2 stays 2, as in a file (the same config hash)
     if "number" in kinds:
         try:
             return float(text)

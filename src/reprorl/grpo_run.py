@@ -297,9 +297,9 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         return {"rank": ranks_from_env().rank}
     costs = {"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()}
     if summary["other_ranks"]:  # torchrun: this process is rank 0, the others cost too
-        costs.update(cpu_seconds=round(cpu_seconds() + sum(
-            r["cpu_seconds"] for r in summary["other_ranks"]), 3),
-            other_ranks=summary["other_ranks"])
+        ranks = [{"cpu_seconds": round(cpu_seconds(), 3), "peak_rss_mb": round(peak_rss_mb(), 1)},
+                 *summary["other_ranks"]]
+        costs.update(ranks=ranks, cpu_seconds=round(sum(r["cpu_seconds"] for r in ranks), 3))
     run.finish(
         summary={k: summary[k] for k in ("run", "mode", "steps", "first_windows",
                                          "last_windows")},

@@ -170,6 +170,7 @@ def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -
 def _leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _JOINED.clear()  # a group joined later has its own settings
 
 
 def deal(batches: list, world_size: int, rank: int) -> list:

@@ -980,8 +980,9 @@ class AsyncGRPOTrainer:
                     wait_s=run.samples.take_wait_s())
         step.sample_tokens = sum(s.tokens for s in step.samples)
         if batches:
-            self._others_wait = False
-            own = ranks.scatter(step_shares(batches, ranks.world_size))
+            shares = step_shares(batches, ranks.world_size)
+            self._others_wait = False  # from the scatter on, they wait in a collective
+            own = ranks.scatter(shares)
             self._train_on(step, own)
             self._record_samples(step.samples, taken_at)
         return step
