@@ -59,7 +59,11 @@ def validate(config: Mapping) -> dict:
     # the mapping with YAML's BaseLoader: their numbers, booleans and nulls arrive as strings
     if isinstance(config.get("seeds"), list):
         config["seeds"] = [_whole(s) for s in config["seeds"]]
-    _typed(config, schema()["properties"])
+    # only inside mappings: Snakemake types a top-level value itself, and a top-level string
+    # in a config file or --config-json stays the error it is
+    for name, section in config.items():
+        if isinstance(section, dict):
+            _typed(section, schema()["properties"].get(name, {}).get("properties", {}))
     _refuse_non_finite(config)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(config))
