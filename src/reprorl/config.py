@@ -57,13 +57,15 @@ def validate(config: Mapping) -> dict:
     config = copy.deepcopy(dict(config))
     # `snakemake --config seeds=[49,50]` or `grpo='{nproc_per_node: 2}'` parses the list or
     # the mapping with YAML's BaseLoader: their numbers, booleans and nulls arrive as strings
+    # only inside lists and mappings: Snakemake types a top-level value itself, and a top-level
+    # string in a config file or --config-json stays the error it is
+    properties = schema()["properties"]
     if isinstance(config.get("seeds"), list):
-        config["seeds"] = [_whole(s) for s in config["seeds"]]
-    # only inside mappings: Snakemake types a top-level value itself, and a top-level string
-    # in a config file or --config-json stays the error it is
+        config["seeds"] = [_scalar(s, properties["seeds"]["items"]) if isinstance(s, str) else s
+                           for s in config["seeds"]]
     for name, section in config.items():
         if isinstance(section, dict):
-            _typed(section, schema()["properties"].get(name, {}).get("properties", {}))
+            _typed(section, properties.get(name, {}).get("properties", {}))
     _refuse_non_finite(config)
     validator = _with_defaults(jsonschema.Draft202012Validator)(schema())
     error = jsonschema.exceptions.best_match(validator.iter_errors(config))
@@ -76,10 +78,6 @@ def validate(config: Mapping) -> dict:
     if config["model"]["source"] == "embedded":
         _refuse_impossible_attention(config["model"]["embedded"])
     return config
-
-
-def _whole(value):
-    return int(value) if isinstance(value, str) and value.isdigit() else value
 
 
 def _typed(mapping: dict, properties: dict) -> None:

@@ -233,8 +233,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                            interrupt_after_step=stop if mode == "interrupt" else None)
     seconds = time.perf_counter() - started
     # every rank's cost, gathered before the others leave, so the manifest counts them all
-    rank_costs = ranks.gather({"cpu_seconds": round(cpu_seconds(), 3),
-                               "peak_rss_mb": round(peak_rss_mb(), 1)})
+    rank_costs = ranks.gather(own_costs())
     if not ranks.main:
         return None
     reached = result.global_step == stop  # fewer: the run ended first (empty blocks)
@@ -289,6 +288,11 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     return {**report, "seconds": seconds, "other_ranks": rank_costs[1:]}
 
 
+def own_costs() -> dict:
+    """This process's CPU seconds and peak memory so far, rounded as a manifest's."""
+    return {"cpu_seconds": round(cpu_seconds(), 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
 def stage(name: str, config: dict, run, log=print) -> dict:
     branch_run, mode = name.removeprefix("grpo_").rsplit("_", 1)
     summary = train(config, branch_run, mode, log)
@@ -296,9 +300,8 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         run.leave_to_another_process()
         return {"rank": ranks_from_env().rank}
     costs = {"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()}
-    if summary["other_ranks"]:  # torchrun: this process is rank 0, the others cost too
-        ranks = [{"cpu_seconds": round(cpu_seconds(), 3), "peak_rss_mb": round(peak_rss_mb(), 1)},
-                 *summary["other_ranks"]]
+    if summary["other_ranks"]:  # torchrun: this process is rank 0 (its costs as of now)
+        ranks = [own_costs(), *summary["other_ranks"]]
         costs.update(ranks=ranks, cpu_seconds=round(sum(r["cpu_seconds"] for r in ranks), 3))
     run.finish(
         summary={k: summary[k] for k in ("run", "mode", "steps", "first_windows",

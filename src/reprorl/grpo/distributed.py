@@ -147,20 +147,18 @@ def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -
     leave a profile's `ddp_timeout` unused."""
     if not dist.is_available():
         return Ranks()
-    # gloo: every tensor of this engine is on the CPU, even where CUDA is present
-    asked = {"backend": backend or "gloo", "timeout_s": timeout_s}
+    backend = backend or "gloo"  # every tensor of this engine is on the CPU, even with CUDA
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return Ranks()
-        _JOINED.update(backend=asked["backend"], timeout_s=timeout_s or 1800.0)
-        dist.init_process_group(_JOINED["backend"],
-                                timeout=timedelta(seconds=_JOINED["timeout_s"]))
+        _JOINED.update(backend=backend, timeout_s=timeout_s or 1800.0)
+        dist.init_process_group(backend, timeout=timedelta(seconds=_JOINED["timeout_s"]))
         atexit.register(_leave)
-    elif _JOINED and (asked["backend"] != _JOINED["backend"] or timeout_s not in (
+    elif _JOINED and (backend != _JOINED["backend"] or timeout_s not in (
             None, _JOINED["timeout_s"])):
         raise RuntimeError(f"the trainer ranks joined their process group with "
                            f"{_JOINED['backend']} and a {_JOINED['timeout_s']:g} s timeout; "
-                           f"{asked['backend']} and {timeout_s} s asked later cannot apply: "
+                           f"{backend} and {timeout_s} s asked later cannot apply: "
                            "pass ddp_backend and ddp_timeout to the first ranks_from_env call")
     # a group the caller joined itself: its backend is known, its timeout is not
     return Ranks(dist.get_rank(), dist.get_world_size(),
