@@ -110,10 +110,10 @@ def ppo_rollouts(roles: dict, prompts: list[list[int]], max_new_tokens: int, eos
 
 
 def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
-    from reprorl import corpus, roles
+    from reprorl import config, corpus, roles
     from reprorl.encoding import load_tokenizer, prompt_ids
 
-    model = {"path": path, "dtype": "float32"}
+    model = {**config.validate({})["model"], "path": path}  # the schema's defaults, on the CPU
     built = {kind: roles.build(kind, model) for kind in ("actor", "reference", "critic")}
     with torch.no_grad():  # a non-zero value head, so the values are worth comparing
         built["critic"].head.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))

@@ -65,8 +65,8 @@ def test_command_line_mappings_get_the_types_a_config_file_gives():
     assert type(typed["num_train_epochs"]) is int
     assert result["limits"]["response_tokens"] == 32 and result["seeds"] == [49, 50]
     assert result["model"]["pretrain"]["steps"] == 10  # nested mappings too
-    with pytest.raises(ConfigError, match="config key grpo.ddp_backend: 'nccl' is not one of"):
-        configuration.validate(parse_config(["grpo={ddp_backend: nccl}"]))
+    with pytest.raises(ConfigError, match="config key grpo.ddp_backend: 'mpi' is not one of"):
+        configuration.validate(parse_config(["grpo={ddp_backend: mpi}"]))
     for text in ("soon", "--5", "²"):  # not a number: the schema names the key
         with pytest.raises(ConfigError, match="config key grpo.ddp_timeout: '.*' is not of"):
             configuration.validate(parse_config([f"grpo={{ddp_timeout: {text}}}"]))

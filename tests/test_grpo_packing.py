@@ -308,3 +308,16 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(seed, score_centerin
     again, again_gradient, _ = loss_and_gradient(
         model, TokenBudgetBatcher(80, 2, 2, 0).collate(list(samples)), score_centering)
     assert torch.equal(packed, again) and torch.equal(packed_gradient, again_gradient)
+
+
+def test_micro_batches_move_whole_and_stay_themselves_on_the_cpu():
+    """What the trainer does to a micro-batch before its forward (`model.device`)."""
+    batch = TokenBudgetBatcher(70, 3, 2, 0).collate(random_groups(0))
+    assert batch.to(torch.device("cpu")) is batch
+    moved = batch.to(torch.device("meta"))
+    tensors = [v for v in vars(moved).values() if isinstance(v, torch.Tensor)]
+    tensors += [t for f in moved.forwards for t in vars(f).values()]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+    assert (moved.row_tokens, moved.padding, moved.sample_tokens) == (
+        batch.row_tokens, batch.padding, batch.sample_tokens)
+    assert all(t.device.type == "cpu" for f in batch.forwards for t in vars(f).values())

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import copy_workflow, reprorl, snakemake
 
 from reprorl import config as configuration
@@ -509,6 +510,12 @@ BAD_INPUTS = {
     "GRPO with an invalid group size": ([], ["grpo_learned_interrupt", "--config-json",
                                                '{"grpo": {"num_generations": 1}}'],
                                         "grpo.num_generations"),
+    "a device that is not one": ([], ["sft_continuous", "--config-json",
+                                      '{"model": {"device": "gpu"}}'],
+                                 "config key model.device: 'gpu' does not match"),
+    **({} if torch.cuda.is_available() else {"a GPU where torch sees none": (
+        [], ["ppo_continuous", "--config-json", '{"model": {"device": "cuda"}}'],
+        "config key model.device is 'cuda' but torch sees no CUDA GPU")}),
     "YAML syntax error in a profile": (
         [("profile", "configs/broken.yaml")], ["prepare", "--config", "configs/broken.yaml"],
         "config file configs/broken.yaml is not valid YAML (line 4, column 1: expected ','"),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import layout
+from . import devices, layout
 from .corpus import pretraining_texts
 from .encoding import chat_prompt
 from .errors import ModelDirectoryError, ReproError
@@ -141,6 +141,8 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
         for row, index in enumerate(batch):  # right padding: positions stay 0..n-1
             input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
             mask[row, : len(ids[index])] = 1
+        device = next(model.parameters()).device  # filled on the CPU, moved once
+        input_ids, mask = input_ids.to(device), mask.to(device)
         labels = input_ids.masked_fill(mask == 0, -100)
         lr = linear_warmup_decay(step, settings["steps"], settings["learning_rate"],
                                  settings["warmup_ratio"])
@@ -187,8 +189,9 @@ def build_embedded(config: dict, log=print) -> dict:
         pad_token_id=tokenizer.pad_token_id,
         attention_dropout=0.0,
     )
-    torch.manual_seed(size["init_seed"])
+    torch.manual_seed(size["init_seed"])  # initialised on the CPU, then moved: the same base
     model = Qwen2ForCausalLM(model_config).to(torch.float32)
+    model = model.to(devices.resolve(config["model"]["device"]))
     curve = pretrain(model, tokenizer, texts, settings, log)
     model = model.to(getattr(torch, config["model"]["dtype"]))
     model.generation_config.do_sample = False

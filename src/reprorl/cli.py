@@ -13,7 +13,7 @@ import os
 import sys
 
 from . import config as configuration
-from . import layout, stages
+from . import devices, layout, stages
 from .codehash import code_hash
 from .errors import ReproError
 from .manifest import StageRun, audit_manifests
@@ -30,6 +30,12 @@ def run_stage(name: str, config: dict, threads: int) -> dict:
     # under torchrun (a GRPO run's ranks) the job's threads are shared by its processes
     torch.set_num_threads(max(1, threads // int(os.environ.get("WORLD_SIZE", "1"))))
     torch.use_deterministic_algorithms(True)
+    if "model" in STAGES[name].config_keys:
+        # `auto` is recorded as what it meant here, so a resume elsewhere is compared with it
+        setting = config["model"]["device"]
+        device = devices.prepare(setting)
+        if setting == "auto":
+            config = {**config, "model": {**config["model"], "device": device.type}}
     subset = configuration.stage_config(config, name)
     module = importlib.import_module(f"reprorl.{STAGES[name].module}")
     with StageRun(name, config=subset, code_hash=code_hash(name)) as run:

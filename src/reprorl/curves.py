@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 import torch
 
-from . import corpus, layout, lora, snapshots
+from . import corpus, devices, layout, lora, snapshots
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final
@@ -63,7 +63,8 @@ def measure(actor, reward, tokenizer, limits: dict, validation, reference=None) 
     scores = [float(s) for batch in _batched(prompts, greedy, pad) for s in reward.score(batch)]
     logratios = [0.0] * len(prompts)
     if reference is not None:
-        generators = [torch.Generator().manual_seed(SAMPLE_SEED + i) for i in range(len(pages))]
+        generators = [devices.generator(SAMPLE_SEED + i, actor.device)
+                      for i in range(len(pages))]
         sampled = sample_many(actor.backbone, prompts, room, eos, limits["context_tokens"],
                               generators=generators, prefills=prefills)
         logprobs = []  # each sampled response's summed log-prob under the reference

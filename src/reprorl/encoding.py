@@ -13,7 +13,7 @@ scores are always read through it, never from "the last column".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -72,8 +72,29 @@ def example(tokenizer, prompt: str, response: str, limits: dict, name: str) -> E
     return Example(name, tuple(head), tuple(body))
 
 
+class OnDevice:
+    """A dataclass of tensors that can move: `to(device)` returns one with every tensor there,
+    in fields and in lists of such dataclasses (itself when they all are: nothing is copied on
+    the CPU). Other fields are kept as they are."""
+
+    def to(self, device: torch.device):
+        moved = {f.name: _moved(getattr(self, f.name), device) for f in fields(self)}
+        if all(moved[name] is getattr(self, name) for name in moved):
+            return self
+        return replace(self, **moved)
+
+
+def _moved(value, device: torch.device):
+    if isinstance(value, (torch.Tensor, OnDevice)):
+        return value.to(device)
+    if isinstance(value, list) and any(isinstance(item, OnDevice) for item in value):
+        items = [_moved(item, device) for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else items
+    return value
+
+
 @dataclass
-class Batch:
+class Batch(OnDevice):
     input_ids: torch.Tensor  # (B, L) long
     attention_mask: torch.Tensor  # (B, L) long, 0 on padding
     position_ids: torch.Tensor  # (B, L) long, 0 at each sequence's first real token
@@ -81,7 +102,7 @@ class Batch:
 
 
 @dataclass
-class PairBatch:
+class PairBatch(OnDevice):
     """(chosen, rejected) pairs packed one per row: the shared prompt once, the chosen
     response after it, then the rejected response, which sees the prompt but not the chosen
     one (its positions restart where the prompt ends); right-padded."""
@@ -133,10 +154,10 @@ def collate(examples: list[Example], pad_id: int) -> Batch:
 
 def last_token_mask(mask: torch.Tensor) -> torch.Tensor:
     """True at each row's last active column."""
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = positions.masked_fill(~mask, -1).max(1).values
     dones = torch.zeros_like(mask)
-    rows = torch.arange(mask.shape[0])[last >= 0]
+    rows = torch.arange(mask.shape[0], device=mask.device)[last >= 0]
     dones[rows, last[last >= 0]] = True
     return dones
 
@@ -152,6 +173,7 @@ def mask_for(model, mask: torch.Tensor) -> torch.Tensor:
         return mask
     if kind == "eager":
         dtype = next(model.parameters()).dtype
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(dtype).min)
     raise ValueError(f"a 4-D attention mask needs attn_implementation 'sdpa' or 'eager', "
                      f"not {kind!r}: load the model with one of them")

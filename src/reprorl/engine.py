@@ -72,7 +72,8 @@ def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -
     `seen` (a bool mask over the vocabulary, broadcast against `logits`) is divided by the
     penalty when positive and multiplied by it otherwise. One function for the engine and the
     trainer, which must score each token under the distribution it was drawn from."""
-    penalties = torch.where(seen, torch.tensor(penalty, dtype=logits.dtype), 1.0)
+    penalties = torch.where(seen, torch.tensor(penalty, dtype=logits.dtype,
+                                               device=logits.device), 1.0)
     return logits * torch.where(logits > 0, 1.0 / penalties, penalties)
 
 
@@ -82,8 +83,8 @@ def processed_logprobs(logits: torch.Tensor, p: Params,
     the tokens so far (prompt and output), which the repetition penalty applies to."""
     logits = logits.float()
     if p.repetition_penalty != 1 and seen:
-        mask = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        mask[torch.tensor(seen)] = True
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[torch.tensor(seen, device=logits.device)] = True
         logits = penalise_repeats(logits, mask, p.repetition_penalty)
     if p.temperature < GREEDY_EPS:
         return logits.log_softmax(-1)
@@ -204,6 +205,7 @@ class Engine(threading.Thread):
         engine keeps its last PREFIX_CACHE_PROMPTS prefills."""
         super().__init__(name="engine", daemon=True)
         self.model, self.switches, self.max_len = model, switches, max_len
+        self.device = next(model.parameters()).device  # of inputs, masks, KV slots
         slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
         self.rows = min(rows, slots)
         self.slots = slots // self.rows * self.rows  # whole groups only: one shape each
@@ -399,8 +401,8 @@ class Engine(threading.Thread):
         else:
             self.activate(seq.adapter)
             try:
-                output = self.model(input_ids=torch.tensor([seq.tokens]), use_cache=True,
-                                    logits_to_keep=1)
+                output = self.model(input_ids=torch.tensor([seq.tokens], device=self.device),
+                                    use_cache=True, logits_to_keep=1)
             finally:
                 self.activate(None)
             kv = [(layer.keys[0], layer.values[0]) for layer in output[self.cache_arg].layers]
@@ -463,25 +465,28 @@ class Engine(threading.Thread):
             if len(rows) == len(members):  # every decoding row: the other rows are dummies
                 chosen[key] = None
             else:
-                chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool)
+                chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool, device=self.device)
                 chosen[key][rows] = True
         for name, switch in self.switches.items():
             switch.by_row = [(adapter.weights[name], chosen[key])
                              for key, (adapter, _) in by_adapter.items()
                              if name in adapter.weights]
         length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
-        decoding = torch.tensor([seq.slot - first for seq in members])
+        ids, positions = ids.to(self.device), positions.to(self.device)  # filled on the CPU
+        decoding = torch.tensor([seq.slot - first for seq in members], device=self.device)
         for layer in self.cache.layers:
             layer.window = (first, first + self.rows, length)
             layer.rows, layer.positions = decoding, positions[decoding]
         # 4-D: transformers uses it as given (`mask_for`: boolean for SDPA, additive for
         # eager); a 2-D mask that happens to be all true (a full group at one position) would
         # be dropped, and SDPA would then run another kernel with other bits
-        mask = (torch.arange(length)[None] <= positions[:, None])[:, None, None, :]
+        mask = (torch.arange(length, device=self.device)[None]
+                <= positions[:, None])[:, None, None, :]
         try:
             output = self.model(input_ids=ids, position_ids=positions[:, None],
                                 attention_mask=mask_for(self.model, mask), use_cache=True,
-                                cache_position=torch.tensor([length - 1]),  # older 5.x read it
+                                # older 5.x read it
+                                cache_position=torch.tensor([length - 1], device=self.device),
                                 **{self.cache_arg: self.cache})
         finally:
             for switch in self.switches.values():

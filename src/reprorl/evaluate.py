@@ -197,8 +197,11 @@ def stage_timings() -> dict:
 
 
 def run_costs(run: dict) -> dict:
-    """A manifest run section's costs: wall and CPU seconds, peak memory."""
-    return {k: run.get(k) for k in ("wall_seconds", "cpu_seconds", "peak_rss_mb")}
+    """A manifest run section's costs: wall and CPU seconds, peak memory (and the GPU's, where
+    the stage used one: `devices.memory`)."""
+    gpu = {k: run[k] for k in ("device", "gpu_peak_allocated_mb", "gpu_peak_reserved_mb")
+           if k in run}
+    return {k: run.get(k) for k in ("wall_seconds", "cpu_seconds", "peak_rss_mb")} | gpu
 
 
 AUDIT_COUNTS = ("dataset", "revision", "seed", "pairs_by_split", "families_by_split",

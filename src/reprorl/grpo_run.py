@@ -44,6 +44,7 @@ from .manifest import (
     atomic_directory,
     atomic_write_bytes,
     cpu_seconds,
+    gpu_memory,
     peak_rss_mb,
     read_json,
     refuse_to_overwrite,
@@ -72,7 +73,8 @@ class RubricVerifier:
 
 
 class LearnedReward:
-    """The frozen reward model's score of (prompt, completion), loaded once in the worker."""
+    """The frozen reward model's score of (prompt, completion), loaded once in the worker, on
+    the CPU whatever model.device says: the rollout worker sees no GPU (the seed's rule)."""
 
     __name__ = "learned_reward"
 
@@ -89,7 +91,8 @@ class LearnedReward:
     @torch.inference_mode()
     def __call__(self, prompts, completion_ids, **kwargs):
         if self.role is None:
-            self.role, _ = load_final("reward", "reward", self.config)
+            model = {**self.config["model"], "device": "cpu"}
+            self.role, _ = load_final("reward", "reward", {**self.config, "model": model})
             self.tokenizer = load_tokenizer(self.config["model"]["path"])
         eos, limits = self.tokenizer.eos_token_id, self.config["limits"]
         examples = [Example(str(i), tuple(prompt_ids(self.tokenizer, p[-1]["content"], limits)),
@@ -149,13 +152,15 @@ def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
     """A branch state (as `resumable` compares it) from the engine's checkpoint folder."""
     from safetensors.torch import load_file
 
-    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True,
+                       map_location="cpu")
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
     return {
         "identity": identity,
         "learned": {"actor": load_file(checkpoint / "adapter/adapter_model.safetensors")},
         "optimizers": {"actor": saved["optimizer"]},
-        "rng": {"torch": saved["torch_rng"]},
+        "rng": {"torch": saved["torch_rng"],
+                **({"cuda": saved["cuda_rng"]} if "cuda_rng" in saved else {})},
         "updates": saved["global_step"],
         "progress": {"rollout_state": read_json(checkpoint / "rollout_state.json"),
                      "num_tokens": saved["num_tokens"], "loss_sum": saved["loss_sum"],
@@ -192,7 +197,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
         settings["vllm_server_base_url"] = server_url
     args = AsyncGRPOConfig(
         output_dir=str(output_dir), embedded_server=server_url is None,
-        dtype=config["model"]["dtype"],
+        dtype=config["model"]["dtype"], embedded_server_device=config["model"]["device"],
         embedded_server_max_model_len=limits["context_tokens"],
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
     # the ranks join their process group here, with the profile's backend and timeout (the
@@ -215,6 +220,8 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                 "initial_learned": initial}
     if nproc > 1:  # one rank's identity stays as it was before ranks existed
         identity["nproc_per_node"] = nproc
+    if config["model"]["device"] != "cpu":  # likewise a CPU run's; bits depend on the device
+        identity["device"] = config["model"]["device"]
     windows, resume_from = [], None
     if mode == "resume" and ranks.main:
         saved = interrupt_state(branch, identity)
@@ -290,7 +297,8 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
 
 def own_costs() -> dict:
     """This process's CPU seconds and peak memory so far, rounded as a manifest's."""
-    return {"cpu_seconds": round(cpu_seconds(), 3), "peak_rss_mb": round(peak_rss_mb(), 1)}
+    return {"cpu_seconds": round(cpu_seconds(), 3), "peak_rss_mb": round(peak_rss_mb(), 1),
+            **gpu_memory()}
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:

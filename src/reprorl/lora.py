@@ -32,10 +32,13 @@ class LoRALinear(nn.Module):
             raise ReproError("LoRA needs an nn.Linear base, rank >= 1 and alpha > 0")
         self.base = base.requires_grad_(False)
         device = base.weight.device
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=device))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+        # drawn where the generator is (the CPU: the same A on any device), then moved
+        a = torch.empty(rank, base.in_features, device="meta" if device.type == "meta" else
+                        generator.device)
         if device.type != "meta":
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5), generator=generator)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        self.lora_A = nn.Parameter(a.to(device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

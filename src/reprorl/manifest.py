@@ -24,6 +24,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -266,6 +267,15 @@ def peak_rss_mb() -> float:
     return max(own, children) / 1024.0  # ru_maxrss is in KiB on Linux
 
 
+def gpu_memory() -> dict:
+    """Peak GPU memory of this process (`devices.memory`); empty if it never used CUDA."""
+    if "torch" not in sys.modules:  # the audit and the report never import it
+        return {}
+    from .devices import memory
+
+    return memory()
+
+
 def cpu_seconds() -> float:
     """User + system CPU time of this process since it started (imports included) and of its
     finished children (a GRPO run's worker and server): the work a stage cost the machine."""
@@ -325,6 +335,7 @@ class StageRun:
         run = {
             "wall_seconds": round(time.perf_counter() - self.started, 3),
             "peak_rss_mb": round(peak_rss_mb(), 1),
+            **gpu_memory(),
             "cpu_seconds": round(cpu_seconds(), 3),
             "started_at": self.started_at,
             "host": platform.node(),

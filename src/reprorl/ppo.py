@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from . import corpus, layout, objectives, roles, snapshots
+from . import corpus, devices, layout, objectives, roles, snapshots
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
@@ -80,9 +80,10 @@ def next_prompts(order: list[int], cursor: int, generator: torch.Generator, coun
     return chosen, order, cursor
 
 
-def right_aligned(rows: list[list[float]], width: int) -> torch.Tensor:
+def right_aligned(rows: list[list[float]], width: int,
+                  device: torch.device | None = None) -> torch.Tensor:
     """Per-response lists placed in the last columns, the layout of left-padded batches."""
-    out = torch.zeros(len(rows), width)
+    out = torch.zeros(len(rows), width, device=device)
     for i, row in enumerate(rows):
         out[i, width - len(row):] = torch.tensor(row)
     return out
@@ -112,6 +113,7 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
     from .sampling import response_text, sample_many
 
     actor = roles_["actor"]
+    device = actor.device
     with timer("generation"):
         prompts = [prompt_ids(tokenizer, page["prompt"], limits, page["document_id"])
                    for page in pages]
@@ -120,11 +122,11 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
         seeds = torch.randint(2**62, (len(prompts),), generator=generator).tolist()
         samples = sample_many(actor.backbone, prompts, limits["response_tokens"],
                               tokenizer.eos_token_id, limits["context_tokens"],
-                              [torch.Generator().manual_seed(seed) for seed in seeds],
+                              [devices.generator(seed, device) for seed in seeds],
                               TEMPERATURE, rows=PROMPTS_PER_ITERATION)
     examples = [Example(page["document_id"], tuple(ids), tuple(result.response_ids))
                 for page, ids, result in zip(pages, prompts, samples)]
-    batch = collate(examples, tokenizer.pad_token_id)
+    batch = collate(examples, tokenizer.pad_token_id).to(device)
     width = roles.Role.response_width(batch)
     mask = batch.response_mask[:, -width:]
     with torch.no_grad():
@@ -139,8 +141,8 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
     with timer("teacher_forced_rescoring"):
         logp_live, _ = actor.token_logprobs(batch)
     values, logp_now = values_live.detach(), logp_live.detach()
-    logp_old = right_aligned([s.logprobs for s in samples], width)
-    cut = torch.tensor([s.finish_reason == "cut" for s in samples])
+    logp_old = right_aligned([s.logprobs for s in samples], width, device)
+    cut = torch.tensor([s.finish_reason == "cut" for s in samples], device=device)
     rewards = objectives.token_rewards(logp_old, logp_ref, mask, scores, cut,
                                      settings["kl_coef"], settings["cut_penalty"])
     advantages, returns = objectives.gae(rewards, values * mask, mask,

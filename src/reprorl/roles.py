@@ -21,7 +21,7 @@ import hashlib
 import torch
 from torch import nn
 
-from . import lora
+from . import devices, lora
 from .encoding import Batch, PairBatch, last_token_mask, mask_for
 from .errors import ReproError
 from .manifest import record_read
@@ -76,6 +76,10 @@ class Role(nn.Module):
 
     # ------------------------------------------------------------ scores
 
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device if self.head is not None else devices.of(self.backbone)
+
     def _inputs(self, batch: Batch) -> dict:
         return {
             "input_ids": batch.input_ids,
@@ -94,6 +98,7 @@ class Role(nn.Module):
         Left padding puts every response in the last columns, so only the last R+1 positions
         need logits (R = longest response): with a 152k vocabulary that is most of the cost.
         """
+        batch = batch.to(self.device)  # results and masks on the role's device
         width = self.response_width(batch)
         logits = self.backbone(**self._inputs(batch), logits_to_keep=width + 1).logits
         logits = logits[:, :-1].float()
@@ -109,6 +114,7 @@ class Role(nn.Module):
 
     def values(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, R) critic values V(prefix before each response token) and the response mask."""
+        batch = batch.to(self.device)  # results and masks on the role's device
         width = self.response_width(batch)
         values = self._head_on_last_hidden(batch)[:, -width - 1 : -1]
         return values, batch.response_mask[:, -width:]
@@ -120,10 +126,11 @@ class Role(nn.Module):
             raise ReproError("only the reward role returns terminal scores")
         if self.head is None:
             raise ReproError(f"the {self.kind} role has no scalar head")
+        pairs = pairs.to(self.device)
         hidden = self.backbone.model(input_ids=pairs.input_ids, position_ids=pairs.position_ids,
                                      attention_mask=mask_for(self.backbone, pairs.attention_mask),
                                      use_cache=False).last_hidden_state
-        rows = torch.arange(len(pairs.last))
+        rows = torch.arange(len(pairs.last), device=hidden.device)
         ends = hidden[rows[:, None], pairs.last]  # (P, 2, H): chosen end, rejected end
         scores = self.head(ends.float()).squeeze(-1)
         return scores[:, 0], scores[:, 1]
@@ -132,6 +139,7 @@ class Role(nn.Module):
         """(B,) reward head at each row's last response token, found through the mask."""
         if self.kind != "reward":
             raise ReproError("only the reward role returns terminal scores")
+        batch = batch.to(self.device)
         mask = batch.response_mask
         if not bool(mask.any(1).all()) or bool((mask & ~batch.attention_mask.bool()).any()):
             raise ReproError("reward pooling needs a non-empty response on real tokens")
@@ -149,7 +157,9 @@ def build(kind: str, model_cfg: dict, learned: dict[str, torch.Tensor] | None = 
     `learned` replaces its adapters and head; with `adapters_only` just the adapters (the
     critic starts from the SFT adapters with its own zero value head).
     """
-    role = Role(kind, load_backbone(model_cfg))
+    # built on the CPU, so adapters and heads draw their initial values from CPU generators
+    # (the seed's), then moved whole
+    role = Role(kind, load_backbone(model_cfg)).to(devices.resolve(model_cfg["device"]))
     check_contract(role, getattr(torch, model_cfg["dtype"]))
     if learned is not None:
         load_learned(role, learned, heads=not adapters_only)

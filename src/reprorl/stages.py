@@ -75,3 +75,11 @@ def threads(stage: str, config: dict) -> int:
 def ranks(stage: str, config: dict) -> int:
     """Trainer processes of `stage`: a GRPO run's torchrun ranks (grpo.nproc_per_node)."""
     return config["grpo"]["nproc_per_node"] if STAGES[stage].module == "grpo_run" else 1
+
+
+def gpus(stage: str, config: dict) -> int:
+    """GPUs of `stage`'s job: one per trainer rank when model.device asks for a GPU (cuda,
+    cuda:N) and the stage runs a model; `auto` asks for none (it takes a GPU where the job
+    lands on one)."""
+    on_gpu = config["model"]["device"].startswith("cuda")
+    return ranks(stage, config) if on_gpu and "model" in STAGES[stage].config_keys else 0

@@ -27,8 +27,10 @@ from .manifest import atomic_write_bytes, record_read, sha256_file
 
 
 def save_state(path: str | Path, state: dict) -> dict:
+    """Write `state`, every tensor in it on the CPU: a state from a GPU run is read anywhere
+    (`resume_check` jobs hold no GPU), and loads back onto the run's device where it is used."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(_on_cpu(state), buffer)
     raw = buffer.getvalue()
     packed = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", compresslevel=1, fileobj=packed, mtime=0) as out:
@@ -36,6 +38,22 @@ def save_state(path: str | Path, state: dict) -> dict:
     atomic_write_bytes(path, packed.getvalue())
     return {"path": str(path), "raw_bytes": len(raw), "gzip_bytes": packed.tell(),
             "sha256": sha256_file(path)}
+
+
+def _on_cpu(value: Any) -> Any:
+    """`value` with its tensors on the CPU; a container with none elsewhere is returned as it
+    is (the same object, so a CPU run's pickle, shared references included, is unchanged)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()  # the same tensor when it is there already
+    if isinstance(value, dict):
+        moved = {key: _on_cpu(child) for key, child in value.items()}
+        same = all(moved[key] is child for key, child in value.items())
+    elif isinstance(value, (list, tuple)):
+        moved = type(value)(_on_cpu(child) for child in value)
+        same = all(a is b for a, b in zip(moved, value))
+    else:
+        return value
+    return value if same else moved
 
 
 def load_state(path: str | Path) -> dict:
@@ -64,7 +82,7 @@ def _unpickle(path: Path, raw: bytes) -> Any:
     try:
         with warnings.catch_warnings():  # a pickle torch.save did not write warns of its protocol
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(io.BytesIO(raw), weights_only=True)
+            return torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
         # torch's message spans lines and advises weights_only=False: keep only its finding
         finding = str(error).partition("WeightsUnpickler error:")[2] or str(error)
@@ -89,13 +107,17 @@ def _first_line(message: object) -> str:
 
 
 def rng_state() -> dict:
-    """Python, numpy and torch CPU RNG states, as weights-only-loadable values."""
+    """Python, numpy and torch CPU RNG states, as weights-only-loadable values, and every
+    GPU's torch RNG state once the process has used CUDA (a CPU run's state has no entry)."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
-    return {
+    state = {
         "python": list(_listify(random.getstate())),
         "numpy": [kind, torch.from_numpy(keys.copy()), position, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def restore_rng(state: dict) -> None:
@@ -103,6 +125,12 @@ def restore_rng(state: dict) -> None:
     kind, keys, position, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy(), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
+            raise ReproError(f"this state holds the RNG states of {len(state['cuda'])} GPU(s), "
+                             "which this process does not see: resume it on the device kind "
+                             "that wrote it (model.device)")
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..encoding import OnDevice
 from .packing import Row, attention_pairs, lay_out
 
 
 @dataclass
-class Forward:
+class Forward(OnDevice):
     input_ids: torch.Tensor  # (R, L): a tree row (1, L); padded rows (B, L)
     attention_mask: torch.Tensor  # tree: (1, 1, L, L) bool; padded: (B, L)
     position_ids: torch.Tensor  # (R, L)
@@ -53,7 +54,7 @@ class Forward:
 
 
 @dataclass
-class MicroBatch:
+class MicroBatch(OnDevice):
     forwards: list[Forward]
     index: torch.Tensor  # (B, W) row of each loss column in the forwards' kept logits
     trained: torch.Tensor  # (B, W) bool

@@ -46,7 +46,8 @@ class AsyncGRPOConfig:
     average_tokens_across_devices: bool = option(
         True, "Across ranks, divide a micro-batch's loss by the trained tokens of all ranks.")
     ddp_backend: str | None = option(
-        None, "torch.distributed backend under torchrun (None: gloo, for CPU tensors).")
+        None, "torch.distributed backend under torchrun (None: nccl for a model on a GPU, "
+        "else gloo).")
     ddp_timeout: int = option(
         1800, "Seconds a rank may wait for the others in a collective (rank 0's rollouts).")
     num_train_epochs: float = option(
@@ -139,6 +140,8 @@ class AsyncGRPOConfig:
     embedded_server: bool = option(
         False, "Start `reprorl serve` on the policy's base model and stop it at the end.")
     embedded_server_threads: int = option(1, "Torch threads of the embedded server.")
+    embedded_server_device: str = option(
+        "cpu", "Device of the embedded server's model: auto, cpu, cuda or cuda:N.")
     embedded_server_max_num_seqs: int = option(
         64, "Sequences the embedded server decodes together at most.")
     embedded_server_max_model_len: int | None = option(
@@ -200,9 +203,8 @@ class AsyncGRPOConfig:
     def _choice_problems(self):
         if self.dtype not in DTYPES:
             yield f"dtype must be one of {DTYPES}"
-        if self.ddp_backend not in (None, "gloo"):
-            yield ("ddp_backend must be None or 'gloo': the trainer keeps every tensor on the "
-                   "CPU, which NCCL cannot carry")
+        if self.ddp_backend not in (None, "gloo", "nccl"):
+            yield "ddp_backend must be None, 'gloo' (CPU tensors) or 'nccl' (GPU tensors)"
         if self.train_sampling_strategy not in ("random", "sequential"):
             yield "train_sampling_strategy must be 'random' or 'sequential'"
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):

@@ -133,7 +133,9 @@ class Ranks:
         known = inspect.signature(DistributedDataParallel).parameters
         name = ("forward_sync_buffers" if "forward_sync_buffers" in known
                 else "broadcast_buffers")
-        return DistributedDataParallel(model, **{name: False})
+        device = next(model.parameters()).device
+        ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        return DistributedDataParallel(model, **{name: False}, **ids)
 
 
 _JOINED: dict = {}  # the backend and timeout this process joined its group with
@@ -141,13 +143,14 @@ _JOINED: dict = {}  # the backend and timeout this process joined its group with
 
 def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -> Ranks:
     """The ranks `torchrun` started (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment),
-    joining their process group on first use (gloo and 1800 s unless given); one rank when
+    joining their process group on first use (unless given: NCCL once this process has used
+    CUDA, its model being there, else gloo; 1800 s); one rank when
     none was started. A later call that asks for another backend or timeout than the group
     was joined with is refused: the first caller decides them, and a silent mismatch would
     leave a profile's `ddp_timeout` unused."""
     if not dist.is_available():
         return Ranks()
-    backend = backend or "gloo"  # every tensor of this engine is on the CPU, even with CUDA
+    backend = backend or default_backend()
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return Ranks()
@@ -163,6 +166,14 @@ def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -
     # a group the caller joined itself: its backend is known, its timeout is not
     return Ranks(dist.get_rank(), dist.get_world_size(),
                  _JOINED.get("backend", dist.get_backend()), _JOINED.get("timeout_s"))
+
+
+def default_backend() -> str:
+    """NCCL carries CUDA tensors, gloo CPU ones: the model's device decides, and a model on a
+    GPU has initialised CUDA by the time the ranks join."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and torch.cuda.is_initialized() else "gloo"
 
 
 def _leave() -> None:

@@ -64,6 +64,8 @@ import torch
 from aiohttp import web
 from torch import nn
 
+from .. import devices
+from ..errors import ReproError
 from ..engine import (
     Adapter,
     ApiError,
@@ -195,7 +197,8 @@ def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: in
             raise ApiError(400, f"While loading {path}, unexpected weight {key}")
         if not torch.isfinite(tensor).all():  # it would poison every batch it joins
             raise ApiError(400, f"Loading lora {name} failed: {key} holds NaN or Inf values.")
-        pairs.setdefault(module, {})[matrix] = tensor.float().contiguous()
+        device = switches[module].base.weight.device  # the served model's
+        pairs.setdefault(module, {})[matrix] = tensor.float().contiguous().to(device)
     weights = {}
     for module, pair in pairs.items():
         a, b, base = pair.get("lora_A"), pair.get("lora_B"), switches[module].base
@@ -602,7 +605,7 @@ class Server:
 
     async def run(self, prompt: list[int], params: Params, model: str, seed) -> Sequence:
         """Generate to the end; a client that goes away aborts its sequence."""
-        generator = torch.Generator().manual_seed(
+        generator = torch.Generator(device=self.engine.device).manual_seed(
             self.rng.getrandbits(63) if seed is None else seed % (1 << 64))
         self.refuse_if_overloaded()  # again: others may have queued while this one tokenised
         loop = asyncio.get_running_loop()
@@ -766,6 +769,8 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
         help="auto: the checkpoint's dtype")
     add("--threads", type=count(1), default=1, help="torch threads")
+    add("--device", default="cpu",
+        help="auto, cpu, cuda or cuda:N (a BF16-capable GPU, deterministic algorithms on)")
     add("--trust-remote-code", action="store_true", help="allow the model's own code")
     add("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -815,6 +820,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
+    try:
+        device = devices.prepare(args.device, "--device")
+    except ReproError as error:
+        print(f"reprorl serve: error: {error}", file=sys.stderr)
+        return 2
     torch.manual_seed(args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -822,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model, local_files_only=True,
         dtype=args.dtype if args.dtype == "auto" else getattr(torch, args.dtype),
         trust_remote_code=args.trust_remote_code,
-        attn_implementation="sdpa").eval()
+        attn_implementation="sdpa").to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True,
                                               trust_remote_code=args.trust_remote_code)
     max_len = served_length(args, model)

@@ -50,7 +50,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import lora
+from .. import devices, lora
 from ..encoding import mask_for
 from ..engine import penalise_repeats
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
@@ -263,6 +263,13 @@ def load_policy(model, args: AsyncGRPOConfig):
         model, local_files_only=True, trust_remote_code=args.trust_remote_code, **kwargs), model
 
 
+def cuda_rng() -> dict:
+    """Every GPU's RNG state for a checkpoint, once the process has used CUDA."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"cuda_rng": torch.cuda.get_rng_state_all()}
+    return {}
+
+
 def kept_logits(model, batch: MicroBatch, forward=None) -> torch.Tensor:
     """The logits the loss reads, (sum of R * N over the forwards, V): each forward's kept
     positions, forward after forward (`batch.index` counts in that order). `forward`: the
@@ -273,8 +280,8 @@ def kept_logits(model, batch: MicroBatch, forward=None) -> torch.Tensor:
     ).logits.flatten(0, 1) for f in batch.forwards])
 
 
-def autocast_for(args: AsyncGRPOConfig):
-    return (torch.autocast("cpu", dtype=torch.bfloat16) if args.bf16
+def autocast_for(args: AsyncGRPOConfig, device: torch.device):
+    return (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16
             else contextlib.nullcontext())
 
 
@@ -283,11 +290,13 @@ def sequence_logprobs(model, args: AsyncGRPOConfig, prompt_ids: list[int],
     """log pi(output | prompt) per output token at the run's temperature, as the loss scores
     it without truncation or repetition penalty, which the canary's requests do not use (one
     unpadded sequence, no gradient, no RNG drawn): the weight-sync canary's side."""
-    ids = torch.tensor([list(prompt_ids) + list(output_ids)])
-    with torch.no_grad(), autocast_for(args):
+    device = devices.of(model)
+    ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=device)
+    with torch.no_grad(), autocast_for(args, device):
         logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
     scores = (logits.float() / args.temperature).log_softmax(-1)
-    return scores.gather(-1, torch.tensor(output_ids).unsqueeze(-1)).squeeze(-1).tolist()
+    targets = torch.tensor(output_ids, device=device).unsqueeze(-1)
+    return scores.gather(-1, targets).squeeze(-1).tolist()
 
 
 def candidate_logmass(scores: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
@@ -313,12 +322,14 @@ def penalise_columns(columns: torch.Tensor, batch: MicroBatch, penalty: float) -
     rows, real = len(tokens), tokens >= 0
     # token i of a sample of n tokens comes before columns i + W + 1 - n on (column c holds
     # token n - W + c)
-    after = torch.arange(tokens.shape[1]) + width + 1 - real.sum(1, keepdim=True)
+    device = tokens.device
+    after = torch.arange(tokens.shape[1], device=device) + width + 1 - real.sum(1, keepdim=True)
     ids = tokens[real].unique()  # sorted
     where = torch.searchsorted(ids, tokens.clamp(min=0)).masked_fill(~real, len(ids))
-    first = torch.full((rows, len(ids) + 1), width, dtype=torch.long)  # pads: a dropped column
+    # pads: a dropped column
+    first = torch.full((rows, len(ids) + 1), width, dtype=torch.long, device=device)
     first.scatter_reduce_(1, where, after.clamp(min=0), "amin")
-    seen = first[:, None, :-1] <= torch.arange(width)[None, :, None]  # (B, W, U)
+    seen = first[:, None, :-1] <= torch.arange(width, device=device)[None, :, None]  # (B, W, U)
     index = ids.expand(rows, width, -1)
     return columns.scatter(-1, index, penalise_repeats(columns.gather(-1, index), seen,
                                                        penalty))
@@ -332,7 +343,7 @@ def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
     metrics. The forwards run on the batch's layout (tree rows, or padded rows); their kept
     logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every per-token
     quantity below is computed per trained token, whatever the layout."""
-    with autocast_for(args):
+    with autocast_for(args, batch.targets.device):
         logits = kept_logits(model, batch, forward)
     # Unpenalised: log_softmax on the kept positions once, then one copy per column.
     # index_select, not `[batch.index]`: several columns read one position (a shared fork
@@ -481,6 +492,7 @@ class AsyncGRPOTrainer:
         self.ranks = ranks_from_env(self.args.ddp_backend, self.args.ddp_timeout)
         model, self.model_path = load_policy(model, self.args)
         self.model = model.eval()
+        self.device = devices.of(model)  # training runs where the model is
         self.forward_model = self.model  # what the loss calls: DDP's wrapper while training
         if processing_class is None:
             from transformers import AutoTokenizer
@@ -651,7 +663,8 @@ class AsyncGRPOTrainer:
                    "--max-loras", str(args.max_staleness + 2),
                    "--max-lora-rank", str(max(self.rank or 0, 8)),
                    "--max-logprobs", str(max(args.num_sampler_logprobs, 1)),
-                   "--dtype", self.serving_dtype(), "--seed", str(args.seed)]
+                   "--dtype", self.serving_dtype(), "--seed", str(args.seed),
+                   "--device", args.embedded_server_device]
         if args.trust_remote_code:
             command.append("--trust-remote-code")
         if args.embedded_server_max_model_len:
@@ -772,7 +785,8 @@ class AsyncGRPOTrainer:
             buffer = io.BytesIO()
             torch.save({"optimizer": run.optimizer.state_dict(),
                         "global_step": run.global_step, "num_tokens": run.num_tokens,
-                        "torch_rng": torch.get_rng_state(), "loss_sum": run.loss_sum}, buffer)
+                        "torch_rng": torch.get_rng_state(), "loss_sum": run.loss_sum,
+                        **cuda_rng()}, buffer)
             atomic_write_bytes(scratch / "trainer_state.pt", buffer.getvalue())
             write_json(scratch / "rollout_state.json", {
                 **self._cursor_state(), "model_version": run.version.value,
@@ -797,9 +811,12 @@ class AsyncGRPOTrainer:
         """Policy, optimizer and RNG from `checkpoint`; returns the run's counters."""
         load = lora.load_peft_into if self.args.use_peft else load_full_into
         load(self.model, checkpoint / self.policy_folder)
-        saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+        saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True,
+                           map_location="cpu")
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])
+        if "cuda_rng" in saved:
+            torch.cuda.set_rng_state_all(saved["cuda_rng"])
         return {"global_step": saved["global_step"], "num_tokens": saved["num_tokens"],
                 "loss_sum": saved["loss_sum"]}
 
@@ -1004,7 +1021,7 @@ class AsyncGRPOTrainer:
         report = RankReport(0.0, 0, 0)
         for k, samples in enumerate(local):
             started = time.monotonic()
-            batch = run.batcher.collate(samples)
+            batch = run.batcher.collate(samples).to(self.device)  # built on the CPU
             syncing = not ranks.distributed or k == len(local) - 1
             with contextlib.nullcontext() if syncing else self.forward_model.no_sync():
                 loss, stats = self._loss(batch, denominators[k])
@@ -1036,7 +1053,7 @@ class AsyncGRPOTrainer:
     def _idle_backward(self) -> None:
         """A rank dealt no micro-batch this step joins DDP's all-reduce with a zero
         gradient: one pad token forwarded, its logits times 0."""
-        ids = torch.tensor([[self.run.batcher.pad_id]])
+        ids = torch.tensor([[self.run.batcher.pad_id]], device=self.device)
         logits = self.forward_model(input_ids=ids, use_cache=False).logits
         (logits.sum() * 0.0).backward()
 
