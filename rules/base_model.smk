@@ -11,7 +11,7 @@ rule base_model:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("base_model")
     resources:
-        mem_mb=4000,
+        **stage_resources("base_model", mem_mb=4000),
     params:
         **stage_params("base_model"),
     shell:

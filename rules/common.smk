@@ -11,7 +11,7 @@ from reprorl import layout
 from reprorl.codehash import code_hash
 from reprorl.config import stage_config_json, validate
 from reprorl.errors import ConfigError
-from reprorl.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, threads
+from reprorl.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, gpus, threads
 from reprorl.stages import ranks as stage_ranks
 from snakemake.exceptions import WorkflowError
 
@@ -73,6 +73,14 @@ def stage_output(stage):
 def stage_threads(stage):
     """The rule's threads, which its command hands to torch."""
     return threads(stage, config)
+
+
+def stage_resources(stage, **resources):
+    """The rule's resources, plus `gpu` (one per trainer rank) when model.device asks for a
+    GPU: the SLURM executor submits it as --gpus; `--resources gpu=N` caps a local run.
+    """
+    count = gpus(stage, config)
+    return {**resources, **({"gpu": count} if count else {})}
 
 
 # Which ready job Snakemake starts first when the cores are short (higher first): a job's rank

@@ -19,6 +19,8 @@ rule sft_validation:
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("sft_validation")
+    resources:
+        **stage_resources("sft_validation"),
     params:
         **stage_params("sft_validation"),
     shell:
@@ -47,6 +49,8 @@ for branch in CURVES:
         conda:
             "../workflow/envs/reprorl.yaml"
         threads: stage_threads(stage)
+        resources:
+            **stage_resources(stage),
         params:
             **stage_params(stage),
         shell:

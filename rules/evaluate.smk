@@ -17,6 +17,8 @@ rule reward_test:
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("reward_test")
+    resources:
+        **stage_resources("reward_test"),
     params:
         **stage_params("reward_test"),
     shell:
@@ -43,6 +45,8 @@ rule exercise:
     conda:
         "../workflow/envs/reprorl.yaml"
     threads: stage_threads("exercise")
+    resources:
+        **stage_resources("exercise"),
     params:
         **stage_params("exercise"),
     shell:

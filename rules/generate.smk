@@ -46,6 +46,8 @@ for policy in POLICIES:
         conda:
             "../workflow/envs/reprorl.yaml"
         threads: stage_threads(stage)
+        resources:
+            **stage_resources(stage),
         params:
             **stage_params(stage),
         shell:

@@ -30,7 +30,9 @@ for branch in EXPORTS:
                 "../workflow/envs/reprorl.yaml"
             threads: stage_threads(stage)
             resources:
-                mem_mb=6000 if branch.startswith("grpo_") else 4000,
+                **stage_resources(
+                    stage, mem_mb=6000 if branch.startswith("grpo_") else 4000
+                ),
             params:
                 **stage_params(stage),
             shell:
