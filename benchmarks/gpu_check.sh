@@ -30,8 +30,14 @@ name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU
 print(f"gpu_check: torch {torch.__version__} on {device} ({name})", flush=True)
 EOF
 
-# a copy of the tracked files: the check writes assets/ and outputs/ of its own
-git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$work"
+# a copy of the checkout without what a run writes: the check writes assets/ and outputs/ of
+# its own (the tracked files where git can list them)
+if git rev-parse --git-dir > /dev/null 2>&1; then
+    git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$work"
+else
+    tar --exclude=./.git --exclude=./assets --exclude=./outputs --exclude=./data \
+        --exclude=./logs --exclude=./.snakemake -cf - . | tar -xf - -C "$work"
+fi
 cd "$work"
 started=$(date +%s)
 snakemake --cores all outputs/results.json --configfile configs/ci.yaml \

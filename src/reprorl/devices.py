@@ -23,9 +23,9 @@ import torch
 from .errors import ReproError
 
 SETTING = re.compile(r"auto|cpu|cuda(:\d+)?")
-# cuBLAS's deterministic workspace (NVIDIA's documented value); read when the first cuBLAS
-# handle is made, so it is set before any CUDA work of the process
-CUBLAS_WORKSPACE = ":4096:8"
+# cuBLAS's deterministic workspaces (NVIDIA's documented values); read when the first cuBLAS
+# handle is made, so one is set before any CUDA work of the process (`prepare`)
+CUBLAS_WORKSPACES = (":4096:8", ":16:8")
 
 
 SETTING_NAME = "config key model.device"
@@ -46,18 +46,22 @@ def resolve(setting: str, what: str = SETTING_NAME) -> torch.device:
         raise ReproError(f"{what} is {setting!r} but torch sees no CUDA GPU (torch "
                          f"{torch.__version__}, CUDA build {torch.version.cuda}): ask for cpu, "
                          "or install a CUDA build of torch==2.13.0 and the [gpu] extra")
+    if device.index is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ReproError(f"{what}: {setting!r} would put every torchrun rank on one GPU: ask "
+                         "for cuda (each rank takes cuda:LOCAL_RANK)")
     count = torch.cuda.device_count()
     index = device.index if device.index is not None else _local_rank()
     if index >= count:
         raise ReproError(f"{what}: {setting!r} asks for GPU {index} but "
                          f"{count} are visible (CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-    device = torch.device("cuda", index)
-    if not torch.cuda.is_bf16_supported(including_emulation=False):
-        raise ReproError(f"{torch.cuda.get_device_name(device)} has no BF16 support, which "
-                         "the seed's GPU setting needs (BF16 base weights): use a BF16-capable "
-                         "GPU (compute capability 8.0 or later), or ask for cpu")
-    return device
+    properties = torch.cuda.get_device_properties(index)
+    if properties.major < 8:  # BF16 arithmetic from Ampere on
+        raise ReproError(f"{properties.name} (GPU {index}, compute capability "
+                         f"{properties.major}.{properties.minor}) has no BF16 support, which "
+                         "the seed's GPU setting needs (BF16 base weights): use a GPU of "
+                         "compute capability 8.0 or later, or ask for cpu")
+    return torch.device("cuda", index)
 
 
 def _local_rank() -> int:
@@ -69,13 +73,17 @@ def prepare(setting: str, what: str = SETTING_NAME) -> torch.device:
     """Resolve `setting` and make the process deterministic on it. Called once, before the
     stage builds anything (`cli.run_stage`, `reprorl serve`)."""
     torch.use_deterministic_algorithms(True)
+    if setting != "cpu" and torch.cuda.is_available():  # before `resolve` initialises CUDA
+        workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if torch.cuda.is_initialized() and workspace not in CUBLAS_WORKSPACES:
+            raise ReproError("CUDA was initialised before the deterministic cuBLAS workspace "
+                             f"was set: export CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACES[0]}")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACES[0])
+        if os.environ["CUBLAS_WORKSPACE_CONFIG"] not in CUBLAS_WORKSPACES:
+            raise ReproError(f"CUBLAS_WORKSPACE_CONFIG={workspace} is not deterministic: "
+                             f"set it to {' or '.join(CUBLAS_WORKSPACES)}, or unset it")
     device = resolve(setting, what)
     if device.type == "cuda":
-        if torch.cuda.is_initialized() and (
-                os.environ.get("CUBLAS_WORKSPACE_CONFIG") != CUBLAS_WORKSPACE):
-            raise ReproError("CUDA was initialised before the deterministic cuBLAS workspace "
-                             f"was set: export CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE}")
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -104,6 +112,20 @@ def memory() -> dict:
     return {"device": torch.cuda.get_device_name(device),
             "gpu_peak_allocated_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
             "gpu_peak_reserved_mb": round(torch.cuda.max_memory_reserved(device) / 2**20, 1)}
+
+
+def cuda_rng_state(device: torch.device) -> dict:
+    """{"cuda": every GPU's RNG state} for a resume state of a run on `device`; {} on the CPU
+    (a CPU run's state is the same on a host with GPUs)."""
+    return {"cuda": torch.cuda.get_rng_state_all()} if device.type == "cuda" else {}
+
+
+def restore_cuda_rng(states: list[torch.Tensor]) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < len(states):
+        raise ReproError(f"this state holds the RNG states of {len(states)} GPU(s), which this "
+                         "process does not see: resume it on the device kind that wrote it "
+                         "(model.device)")
+    torch.cuda.set_rng_state_all(states)
 
 
 def synchronize() -> None:

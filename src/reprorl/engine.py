@@ -96,7 +96,11 @@ def processed_logprobs(logits: torch.Tensor, p: Params,
         logits = logits.masked_fill(logits < logits.topk(p.top_k).values[-1], -math.inf)
     if p.top_p < 1:
         ordered, order = logits.sort()  # ascending, as vLLM's apply_top_k_top_p
-        drop = ordered.softmax(-1).cumsum(-1) <= 1 - p.top_p
+        probs = ordered.softmax(-1)
+        # a float cumsum on CUDA has no deterministic kernel: summed on the CPU there
+        cumulative = probs.cumsum(-1) if probs.device.type == "cpu" else (
+            probs.cpu().cumsum(-1).to(probs.device))
+        drop = cumulative <= 1 - p.top_p
         drop[-1] = False  # keep at least one token
         logits = logits.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), -math.inf)
     return logits.log_softmax(-1)
@@ -471,7 +475,10 @@ class Engine(threading.Thread):
             switch.by_row = [(adapter.weights[name], chosen[key])
                              for key, (adapter, _) in by_adapter.items()
                              if name in adapter.weights]
-        length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64)
+        # the longest row rounded up to 64 (its bits measured independent of that length on
+        # the CPU; on a GPU, where that is unmeasured, the whole slot: one shape always)
+        length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64) if (
+            self.device.type == "cpu") else self.max_len
         ids, positions = ids.to(self.device), positions.to(self.device)  # filled on the CPU
         decoding = torch.tensor([seq.slot - first for seq in members], device=self.device)
         for layer in self.cache.layers:

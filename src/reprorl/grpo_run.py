@@ -202,7 +202,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
         max_completion_length=limits["response_tokens"], disable_tqdm=False, **settings)
     # the ranks join their process group here, with the profile's backend and timeout (the
     # trainer's own call then finds the group joined)
-    ranks = ranks_from_env(args.ddp_backend, args.ddp_timeout)
+    ranks = ranks_from_env(args.ddp_backend, args.ddp_timeout, actor.device)
     if ranks.world_size != nproc:
         raise ReproError(f"{stage_name} runs {ranks.world_size} trainer rank(s) but "
                          f"grpo.nproc_per_node is {nproc}: launch it as its rule does (torchrun "

@@ -82,7 +82,7 @@ class ResumableRun:
                         for name, role in self.roles.items()},
             "optimizers": {name: o.state_dict() for name, o in self.optimizers.items()},
             "generators": {name: g.get_state() for name, g in self.generators.items()},
-            "rng": rng_state(),
+            "rng": rng_state(next(iter(self.roles.values())).device),
             "updates": updates,
             "scheduler": self.position(updates),
             "progress": progress,

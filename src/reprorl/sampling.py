@@ -50,7 +50,9 @@ def _draw(logits: torch.Tensor, generator: torch.Generator | None,
 @torch.inference_mode()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
            generator: torch.Generator | None = None, temperature: float = 1.0) -> Sample:
-    output = model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+    device = next(model.parameters()).device
+    output = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True,
+                   logits_to_keep=1)
     tokens: list[int] = []
     logprobs: list[float] = []
     for _ in range(max_new_tokens):
@@ -59,8 +61,8 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
         logprobs.append(logprob)
         if token == eos_id:
             return Sample(tokens, logprobs, "eos")
-        output = model(input_ids=torch.tensor([[token]]), use_cache=True, logits_to_keep=1,
-                       **{_CACHE: output[_CACHE]})
+        output = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
+                       logits_to_keep=1, **{_CACHE: output[_CACHE]})
     return Sample(tokens, logprobs, "cut")
 
 
@@ -112,8 +114,9 @@ def sample_without_cache(model, prompt_ids: list[int], max_new_tokens: int, eos_
     baseline that `benchmarks/sampling.py` measures `sample` against."""
     tokens: list[int] = []
     logprobs: list[float] = []
+    device = next(model.parameters()).device
     for _ in range(max_new_tokens):
-        sequence = torch.tensor([list(prompt_ids) + tokens])
+        sequence = torch.tensor([list(prompt_ids) + tokens], device=device)
         logits = model(input_ids=sequence, use_cache=False, logits_to_keep=1).logits
         token, logprob = _draw(logits[0, -1], generator, temperature)
         tokens.append(token)

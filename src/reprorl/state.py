@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import devices
 from .errors import ReproError
 from .manifest import atomic_write_bytes, record_read, sha256_file
 
@@ -49,8 +50,9 @@ def _on_cpu(value: Any) -> Any:
         moved = {key: _on_cpu(child) for key, child in value.items()}
         same = all(moved[key] is child for key, child in value.items())
     elif isinstance(value, (list, tuple)):
-        moved = type(value)(_on_cpu(child) for child in value)
-        same = all(a is b for a, b in zip(moved, value))
+        items = [_on_cpu(child) for child in value]
+        same = all(a is b for a, b in zip(items, value))
+        moved = tuple(items) if isinstance(value, tuple) else items
     else:
         return value
     return value if same else moved
@@ -106,18 +108,16 @@ def _first_line(message: object) -> str:
 # ---------------------------------------------------------------- RNGs
 
 
-def rng_state() -> dict:
-    """Python, numpy and torch CPU RNG states, as weights-only-loadable values, and every
-    GPU's torch RNG state once the process has used CUDA (a CPU run's state has no entry)."""
+def rng_state(device: torch.device | None = None) -> dict:
+    """Python, numpy and torch CPU RNG states, as weights-only-loadable values, and for a run
+    on a GPU every GPU's torch RNG state (a CPU run's state has no such entry)."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
-    state = {
+    return {
         "python": list(_listify(random.getstate())),
         "numpy": [kind, torch.from_numpy(keys.copy()), position, has_gauss, cached],
         "torch": torch.get_rng_state(),
+        **(devices.cuda_rng_state(device) if device is not None else {}),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 def restore_rng(state: dict) -> None:
@@ -126,11 +126,7 @@ def restore_rng(state: dict) -> None:
     np.random.set_state((kind, keys.numpy(), position, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
-        if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
-            raise ReproError(f"this state holds the RNG states of {len(state['cuda'])} GPU(s), "
-                             "which this process does not see: resume it on the device kind "
-                             "that wrote it (model.device)")
-        torch.cuda.set_rng_state_all(state["cuda"])
+        devices.restore_cuda_rng(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:

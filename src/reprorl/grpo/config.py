@@ -5,11 +5,12 @@ Only the fields this engine reads are declared (TRL's class also carries every
 reads `average_tokens_across_devices`, `ddp_backend` and `ddp_timeout`. Left out on purpose:
 FSDP's fields, MoE's `router_aux_loss_coef`, evaluation, hub and `report_to` (metrics go to
 JSONL and the console), `lr_scheduler_kwargs` (the two schedules here take none). Departures:
-`bf16=None` means "mixed precision on a CUDA trainer", which this CPU engine never is (the seed
-turns bf16 on unless fp16); `ignore_data_skip` can only be True, as in the seed;
+`bf16=None` means off, on a GPU too (the seed turns bf16 on unless fp16; autocast would run the
+FP32 adapter branch in bf16, and the seed's setting is a BF16 base with FP32 adapters instead);
+`ignore_data_skip` can only be True, as in the seed;
 `vllm_server_timeout` bounds the start-up wait only (the seed uses it for weight syncs too),
 `vllm_request_timeout` each request. Additions of ours, grouped at the end: `embedded_server*`
-(start the CPU server shipped here), `schedule_lag` (a schedule that replays bit for bit),
+(start the generation server shipped here), `schedule_lag` (a schedule that replays bit for bit),
 `synchronous` (its lag 0, the benchmark's baseline) and `groups_per_step` (its step: a fixed
 count of prompts, where the seed's step holds what the rows' budget takes), `vllm_max_retries`,
 `vllm_server_api_key`, `vllm_request_timeout`, the watchdogs `reward_timeout`, `tool_timeout`
@@ -81,7 +82,7 @@ class AsyncGRPOConfig:
     gradient_checkpointing: bool = option(
         True, "Recompute the policy's activations in the backward pass to save memory.")
     bf16: bool | None = option(
-        None, "Autocast forward/backward to bfloat16 (None: only on a CUDA trainer).")
+        None, "Autocast forward/backward to bfloat16 (None: off; dtype sets the base's).")
     ignore_data_skip: bool = option(
         True, "Always True: a resume continues from rollout_state.json, never replays.")
     dtype: str = option(

@@ -141,23 +141,26 @@ class Ranks:
 _JOINED: dict = {}  # the backend and timeout this process joined its group with
 
 
-def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -> Ranks:
+def ranks_from_env(backend: str | None = None, timeout_s: float | None = None,
+                   device=None) -> Ranks:
     """The ranks `torchrun` started (WORLD_SIZE, RANK, MASTER_ADDR/PORT in the environment),
-    joining their process group on first use (unless given: NCCL once this process has used
-    CUDA, its model being there, else gloo; 1800 s); one rank when
-    none was started. A later call that asks for another backend or timeout than the group
-    was joined with is refused: the first caller decides them, and a silent mismatch would
-    leave a profile's `ddp_timeout` unused."""
+    joining their process group on first use (unless given: NCCL for a model on a GPU
+    `device`, else gloo; 1800 s); one rank when none was started. A later call that asks for
+    another backend or timeout than the group was joined with is refused (None asks for
+    nothing): the first caller decides them, and a silent mismatch would leave a profile's
+    `ddp_timeout` unused."""
     if not dist.is_available():
         return Ranks()
-    backend = backend or default_backend()
     if not dist.is_initialized():
         if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
             return Ranks()
-        _JOINED.update(backend=backend, timeout_s=timeout_s or 1800.0)
-        dist.init_process_group(backend, timeout=timedelta(seconds=_JOINED["timeout_s"]))
+        on_gpu = getattr(device, "type", "cpu") == "cuda"
+        _JOINED.update(backend=backend or ("nccl" if on_gpu else "gloo"),
+                       timeout_s=timeout_s or 1800.0)
+        dist.init_process_group(_JOINED["backend"],
+                                timeout=timedelta(seconds=_JOINED["timeout_s"]))
         atexit.register(_leave)
-    elif _JOINED and (backend != _JOINED["backend"] or timeout_s not in (
+    elif _JOINED and (backend not in (None, _JOINED["backend"]) or timeout_s not in (
             None, _JOINED["timeout_s"])):
         raise RuntimeError(f"the trainer ranks joined their process group with "
                            f"{_JOINED['backend']} and a {_JOINED['timeout_s']:g} s timeout; "
@@ -166,14 +169,6 @@ def ranks_from_env(backend: str | None = None, timeout_s: float | None = None) -
     # a group the caller joined itself: its backend is known, its timeout is not
     return Ranks(dist.get_rank(), dist.get_world_size(),
                  _JOINED.get("backend", dist.get_backend()), _JOINED.get("timeout_s"))
-
-
-def default_backend() -> str:
-    """NCCL carries CUDA tensors, gloo CPU ones: the model's device decides, and a model on a
-    GPU has initialised CUDA by the time the ranks join."""
-    import torch
-
-    return "nccl" if torch.cuda.is_available() and torch.cuda.is_initialized() else "gloo"
 
 
 def _leave() -> None:

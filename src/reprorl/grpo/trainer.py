@@ -263,13 +263,6 @@ def load_policy(model, args: AsyncGRPOConfig):
         model, local_files_only=True, trust_remote_code=args.trust_remote_code, **kwargs), model
 
 
-def cuda_rng() -> dict:
-    """Every GPU's RNG state for a checkpoint, once the process has used CUDA."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {"cuda_rng": torch.cuda.get_rng_state_all()}
-    return {}
-
-
 def kept_logits(model, batch: MicroBatch, forward=None) -> torch.Tensor:
     """The logits the loss reads, (sum of R * N over the forwards, V): each forward's kept
     positions, forward after forward (`batch.index` counts in that order). `forward`: the
@@ -488,11 +481,11 @@ class AsyncGRPOTrainer:
         self.rows = as_rows(train_dataset, factories, self.args.max_steps)
         self.env_owns_reward = probe_environments(factories, self.tools)  # per environment
         self.log = log
-        # under torchrun: this process's rank, in the group it joins here (distributed.py)
-        self.ranks = ranks_from_env(self.args.ddp_backend, self.args.ddp_timeout)
         model, self.model_path = load_policy(model, self.args)
         self.model = model.eval()
         self.device = devices.of(model)  # training runs where the model is
+        # under torchrun: this process's rank, in the group it joins here (distributed.py)
+        self.ranks = ranks_from_env(self.args.ddp_backend, self.args.ddp_timeout, self.device)
         self.forward_model = self.model  # what the loss calls: DDP's wrapper while training
         if processing_class is None:
             from transformers import AutoTokenizer
@@ -782,11 +775,13 @@ class AsyncGRPOTrainer:
             for version, _ in self._scheduled_versions(directory):  # the files as served
                 name = f"v{version}"
                 shutil.copytree(self.lora_dir / name, scratch / "versions" / name)
+            rng = {"torch_rng": torch.get_rng_state()}
+            if self.device.type == "cuda":  # a run on a GPU: every GPU's state too
+                rng["cuda_rng"] = torch.cuda.get_rng_state_all()
             buffer = io.BytesIO()
             torch.save({"optimizer": run.optimizer.state_dict(),
                         "global_step": run.global_step, "num_tokens": run.num_tokens,
-                        "torch_rng": torch.get_rng_state(), "loss_sum": run.loss_sum,
-                        **cuda_rng()}, buffer)
+                        **rng, "loss_sum": run.loss_sum}, buffer)
             atomic_write_bytes(scratch / "trainer_state.pt", buffer.getvalue())
             write_json(scratch / "rollout_state.json", {
                 **self._cursor_state(), "model_version": run.version.value,
@@ -815,8 +810,8 @@ class AsyncGRPOTrainer:
                            map_location="cpu")
         optimizer.load_state_dict(saved["optimizer"])
         torch.set_rng_state(saved["torch_rng"])
-        if "cuda_rng" in saved:
-            torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        if "cuda_rng" in saved:  # a run on a GPU
+            devices.restore_cuda_rng(saved["cuda_rng"])
         return {"global_step": saved["global_step"], "num_tokens": saved["num_tokens"],
                 "loss_sum": saved["loss_sum"]}
 
