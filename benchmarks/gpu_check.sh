@@ -6,8 +6,9 @@
 #  2. every stage's wall time and peak GPU memory, from the manifests (`reprorl costs`);
 #  3. one PPO iteration and one GRPO step of a random model at the 0.5B dimensions
 #     (benchmarks/gpu_dims.py), with their times and peak GPU memory, its JSON line last.
-# It needs reprorl's dependencies beside a CUDA build of torch (`pip install -e .` of this
-# checkout; where nothing can be downloaded, carry the missing wheels). Usage, from the root:
+# It needs reprorl's dependencies beside a CUDA build of torch: `pip install -e .` of this
+# checkout, or, where nothing can be downloaded, the wheels benchmarks/gpu_wheels.sh saved in
+# .whl/ (installed here into a scratch folder, with src/ on the path). Usage, from the root:
 #   benchmarks/gpu_check.sh [device] [dtype] [layers]  # defaults: cuda bfloat16 24
 #   benchmarks/gpu_check.sh cpu float32 2             # the same steps on a CPU (a dry run)
 set -euo pipefail
@@ -17,6 +18,17 @@ layers=${3:-24}
 root=$(pwd)
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
 python=${PYTHON:-python3}
+# the rules run `python -m reprorl`: make `python` this interpreter (a wrapper, not a link,
+# which would lose a virtual environment's packages)
+mkdir -p "$work.bin"
+printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$python")" > "$work.bin/python"
+chmod +x "$work.bin/python"
+export PATH="$work.bin:$PATH"
+if [ -d .whl ]; then
+    "$python" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+        --no-cache-dir --target "$work.site" .whl/*
+    export PYTHONPATH="$work.site:$root/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 "$python" - "$device" <<'EOF'
 import sys
@@ -40,7 +52,7 @@ else
 fi
 cd "$work"
 started=$(date +%s)
-snakemake --cores all outputs/results.json --configfile configs/ci.yaml \
+"$python" -m snakemake --cores all outputs/results.json --configfile configs/ci.yaml \
     --config model="{device: $device, dtype: $dtype}" > snakemake.log 2>&1 ||
     { tail -40 snakemake.log; echo "gpu_check: the CI profile failed (log: $work)"; exit 1; }
 echo "gpu_check: CI profile on $device in $(( $(date +%s) - started )) s"
