@@ -47,7 +47,7 @@ EOF
 if git rev-parse --git-dir > /dev/null 2>&1; then
     git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$work"
 else
-    tar --exclude=./.git --exclude=./assets --exclude=./outputs --exclude=./data \
+    tar --exclude=./.git --exclude=./.whl --exclude=./assets --exclude=./outputs --exclude=./data \
         --exclude=./logs --exclude=./.snakemake -cf - . | tar -xf - -C "$work"
 fi
 cd "$work"
