@@ -50,13 +50,6 @@ def random_model(directory: Path, tokenizer_dir: str, layers: int) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def peak_memory(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {}
-    return {"gpu_peak_allocated_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
-            "gpu_peak_reserved_mb": round(torch.cuda.max_memory_reserved(device) / 2**20, 1)}
-
-
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -91,7 +84,7 @@ def ppo_iteration(config: dict, device: torch.device) -> dict:
             "head_parameters": sum(p.numel() for p in built["reward"].head.parameters()),
             "trainable": {k: v["trainable"] for k, v in contract.items()},
             "mean_reward_model_score": entry["mean_reward_model_score"],
-            **peak_memory(device)}
+            **devices.memory()}
 
 
 def varied_reward(completion_ids, **kwargs) -> list[float]:
@@ -119,7 +112,7 @@ def grpo_step(config: dict, device: torch.device, workdir: Path) -> dict:
     result = trainer.train()
     devices.synchronize()
     return {"steps": result.global_step, "train_s": round(time.perf_counter() - started, 2),
-            **peak_memory(device)}
+            **devices.memory()}
 
 
 def main() -> None:

@@ -129,6 +129,7 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
     model.train()  # the embedded config has no dropout; train() only documents intent
     order: list[int] = []
     curve = []
+    device = devices.of(model)  # batches are filled on the CPU, then moved once
     started = time.perf_counter()
     bar = progress(settings["steps"], "pretrain")
     for step in range(settings["steps"]):
@@ -141,7 +142,6 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
         for row, index in enumerate(batch):  # right padding: positions stay 0..n-1
             input_ids[row, : len(ids[index])] = torch.tensor(ids[index])
             mask[row, : len(ids[index])] = 1
-        device = next(model.parameters()).device  # filled on the CPU, moved once
         input_ids, mask = input_ids.to(device), mask.to(device)
         labels = input_ids.masked_fill(mask == 0, -100)
         lr = linear_warmup_decay(step, settings["steps"], settings["learning_rate"],

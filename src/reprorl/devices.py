@@ -114,10 +114,10 @@ def memory() -> dict:
             "gpu_peak_reserved_mb": round(torch.cuda.max_memory_reserved(device) / 2**20, 1)}
 
 
-def cuda_rng_state(device: torch.device) -> dict:
-    """{"cuda": every GPU's RNG state} for a resume state of a run on `device`; {} on the CPU
-    (a CPU run's state is the same on a host with GPUs)."""
-    return {"cuda": torch.cuda.get_rng_state_all()} if device.type == "cuda" else {}
+def cuda_rng_states(device: torch.device) -> list[torch.Tensor] | None:
+    """Every GPU's RNG state, for a resume state of a run on `device`; None on the CPU (a CPU
+    run's state is the same on a host with GPUs)."""
+    return torch.cuda.get_rng_state_all() if device.type == "cuda" else None
 
 
 def restore_cuda_rng(states: list[torch.Tensor]) -> None:

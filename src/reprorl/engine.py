@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import devices
 from .encoding import mask_for
 
 log = logging.getLogger("reprorl.serve")
@@ -209,7 +210,7 @@ class Engine(threading.Thread):
         engine keeps its last PREFIX_CACHE_PROMPTS prefills."""
         super().__init__(name="engine", daemon=True)
         self.model, self.switches, self.max_len = model, switches, max_len
-        self.device = next(model.parameters()).device  # of inputs, masks, KV slots
+        self.device = devices.of(model)  # of inputs, masks, KV slots
         slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
         self.rows = min(rows, slots)
         self.slots = slots // self.rows * self.rows  # whole groups only: one shape each

@@ -78,7 +78,7 @@ class Role(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.head.weight.device if self.head is not None else devices.of(self.backbone)
+        return devices.of(self)
 
     def _inputs(self, batch: Batch) -> dict:
         return {

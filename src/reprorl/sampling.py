@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Qwen2ForCausalLM
 
+from . import devices
 from .engine import Engine, Params, Sequence
 from .errors import ReproError
 
@@ -50,7 +51,7 @@ def _draw(logits: torch.Tensor, generator: torch.Generator | None,
 @torch.inference_mode()
 def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
            generator: torch.Generator | None = None, temperature: float = 1.0) -> Sample:
-    device = next(model.parameters()).device
+    device = devices.of(model)
     output = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True,
                    logits_to_keep=1)
     tokens: list[int] = []
@@ -114,7 +115,7 @@ def sample_without_cache(model, prompt_ids: list[int], max_new_tokens: int, eos_
     baseline that `benchmarks/sampling.py` measures `sample` against."""
     tokens: list[int] = []
     logprobs: list[float] = []
-    device = next(model.parameters()).device
+    device = devices.of(model)
     for _ in range(max_new_tokens):
         sequence = torch.tensor([list(prompt_ids) + tokens], device=device)
         logits = model(input_ids=sequence, use_cache=False, logits_to_keep=1).logits

@@ -112,12 +112,15 @@ def rng_state(device: torch.device | None = None) -> dict:
     """Python, numpy and torch CPU RNG states, as weights-only-loadable values, and for a run
     on a GPU every GPU's torch RNG state (a CPU run's state has no such entry)."""
     kind, keys, position, has_gauss, cached = np.random.get_state()
-    return {
+    state = {
         "python": list(_listify(random.getstate())),
         "numpy": [kind, torch.from_numpy(keys.copy()), position, has_gauss, cached],
         "torch": torch.get_rng_state(),
-        **(devices.cuda_rng_state(device) if device is not None else {}),
     }
+    gpus = devices.cuda_rng_states(device) if device is not None else None
+    if gpus is not None:
+        state["cuda"] = gpus
+    return state
 
 
 def restore_rng(state: dict) -> None:

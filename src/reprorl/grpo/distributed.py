@@ -34,6 +34,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import devices
+
 
 @dataclass
 class Setup:
@@ -133,7 +135,7 @@ class Ranks:
         known = inspect.signature(DistributedDataParallel).parameters
         name = ("forward_sync_buffers" if "forward_sync_buffers" in known
                 else "broadcast_buffers")
-        device = next(model.parameters()).device
+        device = devices.of(model)
         ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
         return DistributedDataParallel(model, **{name: False}, **ids)
 

@@ -605,8 +605,8 @@ class Server:
 
     async def run(self, prompt: list[int], params: Params, model: str, seed) -> Sequence:
         """Generate to the end; a client that goes away aborts its sequence."""
-        generator = torch.Generator(device=self.engine.device).manual_seed(
-            self.rng.getrandbits(63) if seed is None else seed % (1 << 64))
+        generator = devices.generator(
+            self.rng.getrandbits(63) if seed is None else seed % (1 << 64), self.engine.device)
         self.refuse_if_overloaded()  # again: others may have queued while this one tokenised
         loop = asyncio.get_running_loop()
         seq = Sequence(prompt, params, self.adapters.get(model), generator,

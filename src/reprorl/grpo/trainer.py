@@ -776,8 +776,9 @@ class AsyncGRPOTrainer:
                 name = f"v{version}"
                 shutil.copytree(self.lora_dir / name, scratch / "versions" / name)
             rng = {"torch_rng": torch.get_rng_state()}
-            if self.device.type == "cuda":  # a run on a GPU: every GPU's state too
-                rng["cuda_rng"] = torch.cuda.get_rng_state_all()
+            gpus = devices.cuda_rng_states(self.device)
+            if gpus is not None:  # a run on a GPU
+                rng["cuda_rng"] = gpus
             buffer = io.BytesIO()
             torch.save({"optimizer": run.optimizer.state_dict(),
                         "global_step": run.global_step, "num_tokens": run.num_tokens,
