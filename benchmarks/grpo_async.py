@@ -93,8 +93,9 @@ def ensure_sft(config_path: str) -> None:
     """The profile's SFT actor (and the model and corpus it needs), built when missing."""
     if all(path.is_file() for path in layout.final_files("sft")):
         return
-    command = [sys.executable, "-m", "snakemake", "--cores", "all", "--configfile",
-               config_path, "sft_resume"]
+    # the target before --configfile, which takes every word after it as a file
+    command = [sys.executable, "-m", "snakemake", "--cores", "all", "sft_resume",
+               "--configfile", config_path]
     print("building the SFT actor first:", " ".join(command), flush=True)
     subprocess.run(command, check=True)
 

@@ -127,8 +127,9 @@ def ensure_sft(config_path: str) -> None:
     wanted = [*layout.final_files("sft"), layout.peft("sft") / "adapter_model.safetensors"]
     if all(path.is_file() for path in wanted):
         return
-    command = [sys.executable, "-m", "snakemake", "--cores", "all", "--configfile",
-               config_path, "sft_resume"]
+    # the target before --configfile, which takes every word after it as a file
+    command = [sys.executable, "-m", "snakemake", "--cores", "all", "sft_resume",
+               "--configfile", config_path]
     print("building the SFT actor first:", " ".join(command), flush=True)
     subprocess.run(command, check=True)
 

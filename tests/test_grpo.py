@@ -630,8 +630,9 @@ UNGUARDED = """
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from test_grpo import BASE, make_rows, token_sum_reward
 
-trainer = AsyncGRPOTrainer(model={model!r}, reward_funcs=token_sum_reward,
-                           train_dataset=make_rows(4),
+rows = make_rows(4)
+rows[0]["notes"] = "x" * (1 << 17)  # the worker's arguments outgrow a pipe's 64 KiB buffer
+trainer = AsyncGRPOTrainer(model={model!r}, reward_funcs=token_sum_reward, train_dataset=rows,
                            args=AsyncGRPOConfig(output_dir={out!r}, **{{**BASE, "max_steps": 2}}))
 trainer.train()
 """
@@ -640,7 +641,9 @@ trainer.train()
 @pytest.mark.timeout(180)
 def test_a_script_without_a_main_guard_fails_at_once_with_the_fix(tiny_model, tmp_path):
     """The README example copied into a script as is: the spawned worker imports the script,
-    which must not build a second trainer; the user gets the fix in one line."""
+    which must not build a second trainer; the user gets the fix in one line. With a dataset
+    whose rows outgrow a pipe's buffer, as the pipeline's do: if they went with the spawn, the
+    trainer would block for good writing what the dead worker never reads."""
     script = tmp_path / "train.py"
     script.write_text(UNGUARDED.format(model=str(tiny_model), out=str(tmp_path / "out")))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

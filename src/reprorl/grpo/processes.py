@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
@@ -59,11 +60,12 @@ class WorkerSignals:
     tracebacks: Any  # queue: the worker's formatted traceback
     stop: Any  # event: the trainer asks the worker to stop
     started: Any  # event: the worker's own code runs (the spawn's imports are done)
+    inbox: Any = None  # queue: the worker's pickled arguments, sent once it has started
 
     @classmethod
     def create(cls, context) -> WorkerSignals:
         return cls(context.RawValue("d", time.time()), context.Event(), context.Queue(),
-                   context.Event(), context.Event())
+                   context.Event(), context.Event(), context.Queue())
 
     def worker_kwargs(self) -> dict:
         """Their names among `AsyncRolloutLoop`'s arguments."""
@@ -76,8 +78,17 @@ class WorkerHandle:
         self.context, self.signals = context, signals
         self.timeout = timeout  # seconds without a heartbeat before the worker counts as hung
         self.process = None
+        self.payload: bytes | None = None  # for the inbox, once the worker runs
 
-    def start(self, target, args: tuple) -> None:
+    def start(self, target, args: tuple, payload: Any = None) -> None:
+        """Spawn `target(*args)`; `args` holds what only a spawn may pass (queues, events,
+        shared values) and stays small. `payload` (the loop's class and arguments) is pickled
+        here, so an unpicklable argument fails in the trainer, and goes through the inbox once
+        the worker runs (`wait_started`): sent with the spawn, arguments over a pipe's 64 KiB
+        would block the trainer for good when the worker dies importing the trainer's script,
+        since the worker never reads them and the trainer holds the pipe's other end."""
+        if payload is not None:
+            self.payload = bytes(ForkingPickler.dumps(payload))
         with gpu_hidden():
             process = self.context.Process(target=target, args=args, name="rollout-worker",
                                            daemon=True)
@@ -98,6 +109,10 @@ class WorkerHandle:
             if time.monotonic() - started > self.timeout:
                 raise RuntimeError(f"the rollout worker did not start within {self.timeout:g} s "
                                    "(rollout_worker_timeout)")
+        if self.payload is not None:
+            self.signals.inbox.put(self.payload)  # a feeder thread writes it: no blocking here
+            self.signals.inbox.cancel_join_thread()  # nor at exit, if the worker died unread
+            self.payload = None
 
     @property
     def pid(self) -> int | None:

@@ -29,6 +29,7 @@ import asyncio
 import contextvars
 import math
 import os
+import pickle
 import queue
 import signal
 import time
@@ -779,10 +780,12 @@ class AsyncRolloutLoop:
         self._put(GroupResult(group.position, samples, records=records))
 
 
-def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None,
+def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
                      started=None) -> None:
     """Entry point of the spawned worker process (CPU only, its own event loop); `started`
-    (an event) is set first thing, so the trainer can tell a failed spawn apart."""
+    (an event) is set first thing, so the trainer can tell a failed spawn apart. The loop's
+    class and arguments then arrive through `inbox` (pickled); `shared` adds the queues,
+    events and values that only a spawn may pass."""
     if started is not None:
         started.set()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -796,15 +799,15 @@ def run_rollout_loop(loop_cls, kwargs: dict, parent_pid: int | None = None,
     # The worker exits only when the trainer stops it or it fails; either way the trainer
     # reads no more samples or records, so do not block the exit flushing them into a full
     # pipe (the traceback queue is left alone: the trainer reads it).
-    kwargs["rollout_buffer"].cancel_join_thread()
-    kwargs["metrics_queue"].cancel_join_thread()
-    loop = None
+    shared["rollout_buffer"].cancel_join_thread()
+    shared["metrics_queue"].cancel_join_thread()
     try:
-        loop = loop_cls(**kwargs)
+        loop_cls, kwargs = pickle.loads(inbox.get())
+        loop = loop_cls(**kwargs, **shared)
         asyncio.run(loop.run())
     except BaseException:
-        kwargs["exception_info_queue"].put(traceback.format_exc())
-        kwargs["failed_event"].set()
+        shared["exception_info_queue"].put(traceback.format_exc())
+        shared["failed_event"].set()
         raise
 
 

@@ -692,15 +692,16 @@ class AsyncGRPOTrainer:
             "config": args, "model_name": self.model_path, "dataset": self.rows,
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
             "tools": self.tools, "environment_factory": self.environment_factory,
-            "eos_token_ids": self.eos_token_ids, "rollout_buffer": groups,
-            "model_version_value": run.version, "token_allowance": run.allowance,
-            "metrics_queue": run.worker_metrics, "lora_name": run.weights.name,
+            "eos_token_ids": self.eos_token_ids, "lora_name": run.weights.name,
             "dataset_start_index": run.ledger.cursor, "sampling_mask": run.sampling_mask,
-            "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor),
+            "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor)}
+        shared = {  # what only a spawn may pass: the rest follows once the worker runs
+            "rollout_buffer": groups, "model_version_value": run.version,
+            "token_allowance": run.allowance, "metrics_queue": run.worker_metrics,
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
             **signals.worker_kwargs()}
-        self.worker.start(run_rollout_loop, (self.loop_cls, kwargs, os.getpid(),
-                                             signals.started))
+        self.worker.start(run_rollout_loop, (signals.inbox, shared, os.getpid(),
+                                             signals.started), (self.loop_cls, kwargs))
         self.worker.wait_started(MAIN_GUARD)
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
