@@ -9,7 +9,9 @@ multiprocessing queues, a locked counter for a shared `multiprocessing.Value`, a
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
 import os
+import pickle
 import queue
 import threading
 import time
@@ -319,6 +321,46 @@ def test_worker_failure_names_traceback_exit_code_or_silence():
     worker.start(target=print, args=())
     signals.heartbeat.value = time.time() - 100
     assert "no heartbeat for 100 s" in worker.failure()
+
+
+def read_payload(inbox, started, out):
+    """A worker that reads its payload and gives it back."""
+    started.set()
+    with inbox:
+        out.put(pickle.loads(inbox.recv_bytes()))
+
+
+def leave_payload(inbox, started):
+    """A worker that exits without reading its payload."""
+    started.set()
+
+
+def test_the_payload_follows_the_start_and_a_worker_dying_unread_blocks_nothing():
+    """Arguments over a pipe's buffer reach a live worker; a worker that exits unread ends
+    the trainer's write (no thread left hanging); an unpicklable one fails before a spawn."""
+    context = mp.get_context("spawn")
+    payload = {"rows": ["x" * (1 << 17)]}
+    signals = WorkerSignals.create(context)
+    worker, out = WorkerHandle(context, signals, 60.0), context.Queue()
+    worker.start(read_payload, (signals.started, out), payload)
+    worker.wait_started("unused")
+    assert out.get(timeout=60) == payload
+    worker.stop()
+
+    signals = WorkerSignals.create(context)
+    worker = WorkerHandle(context, signals, 60.0)
+    worker.start(leave_payload, (signals.started,), payload)
+    worker.wait_started("unused")
+    worker.process.join(60)
+    for thread in [t for t in threading.enumerate() if t.name == "worker-payload"]:
+        thread.join(10)
+        assert not thread.is_alive()
+    worker.stop()
+
+    worker = WorkerHandle(context, WorkerSignals.create(context), 60.0)
+    with pytest.raises(Exception, match="pickle"):
+        worker.start(leave_payload, (), {"reward": lambda: 0})
+    assert worker.process is None and worker.outbox is None
 
 
 def test_worker_stop_escalates_to_terminate_and_kill():

@@ -15,10 +15,11 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 from typing import Any
 
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
@@ -60,12 +61,11 @@ class WorkerSignals:
     tracebacks: Any  # queue: the worker's formatted traceback
     stop: Any  # event: the trainer asks the worker to stop
     started: Any  # event: the worker's own code runs (the spawn's imports are done)
-    inbox: Any = None  # queue: the worker's pickled arguments, sent once it has started
 
     @classmethod
     def create(cls, context) -> WorkerSignals:
         return cls(context.RawValue("d", time.time()), context.Event(), context.Queue(),
-                   context.Event(), context.Event(), context.Queue())
+                   context.Event(), context.Event())
 
     def worker_kwargs(self) -> dict:
         """Their names among `AsyncRolloutLoop`'s arguments."""
@@ -73,32 +73,63 @@ class WorkerSignals:
                 "exception_info_queue": self.tracebacks, "stop_event": self.stop}
 
 
+def hand_over(writer, blob) -> None:
+    """Write the worker's pickled arguments; a worker that died unread ends the write (its
+    failure is the trainer's to report), and the pipe closes either way."""
+    try:
+        writer.send_bytes(blob)
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
 class WorkerHandle:
     def __init__(self, context, signals: WorkerSignals, timeout: float):
         self.context, self.signals = context, signals
         self.timeout = timeout  # seconds without a heartbeat before the worker counts as hung
         self.process = None
-        self.payload: bytes | None = None  # for the inbox, once the worker runs
+        self.outbox = None  # (the pipe's write end, the pickled payload) until handed over
 
     def start(self, target, args: tuple, payload: Any = None) -> None:
-        """Spawn `target(*args)`; `args` holds what only a spawn may pass (queues, events,
-        shared values) and stays small. `payload` (the loop's class and arguments) is pickled
-        here, so an unpicklable argument fails in the trainer, and goes through the inbox once
-        the worker runs (`wait_started`): sent with the spawn, arguments over a pipe's 64 KiB
-        would block the trainer for good when the worker dies importing the trainer's script,
-        since the worker never reads them and the trainer holds the pipe's other end."""
+        """Spawn `target(*args)`, or with a `payload` `target(inbox, *args)`: `args` holds
+        what only a spawn may pass (queues, events, shared values) and stays small; `payload`
+        (the loop's class and arguments) is pickled here, so an unpicklable argument fails in
+        the trainer, and is written to `inbox` (a pipe's read end) once the worker runs. Sent
+        with the spawn, arguments over a pipe's 64 KiB would block the trainer for good when
+        the worker dies importing the trainer's script: the worker never reads them, and the
+        trainer holds the spawn pipe's other end. This pipe's read end lives in the worker
+        alone, so a worker that dies unread breaks the write instead."""
+        inbox = None
         if payload is not None:
-            self.payload = bytes(ForkingPickler.dumps(payload))
-        with gpu_hidden():
-            process = self.context.Process(target=target, args=args, name="rollout-worker",
-                                           daemon=True)
-            process.start()
+            blob = ForkingPickler.dumps(payload)
+            inbox, writer = self.context.Pipe(duplex=False)
+            self.outbox = (writer, blob)
+            args = (inbox, *args)
+        try:
+            with gpu_hidden():
+                process = self.context.Process(target=target, args=args,
+                                               name="rollout-worker", daemon=True)
+                process.start()
+        except BaseException:
+            self.drop_outbox()
+            raise
+        finally:
+            if inbox is not None:
+                inbox.close()  # the worker has its own copy
         self.process = process  # only once started: stop() joins it
 
+    def drop_outbox(self) -> None:
+        """Close the payload's pipe if it was never handed over."""
+        if self.outbox is not None:
+            self.outbox[0].close()
+            self.outbox = None
+
     def wait_started(self, hint: str) -> None:
-        """Return once the worker runs its own code; a worker that exits first failed while
-        the spawn imported the parent's script (its error went to stderr): say so, with `hint`,
-        the usual fix."""
+        """Return once the worker runs its own code, handing it the payload then (a thread
+        writes it: the trainer goes on while the worker reads); a worker that exits first
+        failed while the spawn imported the parent's script (its error went to stderr): say
+        so, with `hint`, the usual fix."""
         started = time.monotonic()
         while not self.signals.started.wait(0.05):
             if not self.process.is_alive():
@@ -109,10 +140,10 @@ class WorkerHandle:
             if time.monotonic() - started > self.timeout:
                 raise RuntimeError(f"the rollout worker did not start within {self.timeout:g} s "
                                    "(rollout_worker_timeout)")
-        if self.payload is not None:
-            self.signals.inbox.put(self.payload)  # a feeder thread writes it: no blocking here
-            self.signals.inbox.cancel_join_thread()  # nor at exit, if the worker died unread
-            self.payload = None
+        if self.outbox is not None:
+            threading.Thread(target=hand_over, args=self.outbox, name="worker-payload",
+                             daemon=True).start()
+            self.outbox = None
 
     @property
     def pid(self) -> int | None:
@@ -149,6 +180,7 @@ class WorkerHandle:
 
     def stop(self) -> None:
         """Ask the worker to stop, then terminate, then kill it, 10 s apart."""
+        self.drop_outbox()  # wait_started failed before handing it over
         process, self.process = self.process, None
         if process is None:
             return

@@ -784,8 +784,8 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
                      started=None) -> None:
     """Entry point of the spawned worker process (CPU only, its own event loop); `started`
     (an event) is set first thing, so the trainer can tell a failed spawn apart. The loop's
-    class and arguments then arrive through `inbox` (pickled); `shared` adds the queues,
-    events and values that only a spawn may pass."""
+    class and arguments then arrive pickled through `inbox` (a pipe's read end:
+    `WorkerHandle.start`); `shared` adds the queues, events and values only a spawn may pass."""
     if started is not None:
         started.set()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -802,7 +802,8 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
     shared["rollout_buffer"].cancel_join_thread()
     shared["metrics_queue"].cancel_join_thread()
     try:
-        loop_cls, kwargs = pickle.loads(inbox.get())
+        with inbox:
+            loop_cls, kwargs = pickle.loads(inbox.recv_bytes())
         loop = loop_cls(**kwargs, **shared)
         asyncio.run(loop.run())
     except BaseException:

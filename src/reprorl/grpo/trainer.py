@@ -700,8 +700,8 @@ class AsyncGRPOTrainer:
             "token_allowance": run.allowance, "metrics_queue": run.worker_metrics,
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
             **signals.worker_kwargs()}
-        self.worker.start(run_rollout_loop, (signals.inbox, shared, os.getpid(),
-                                             signals.started), (self.loop_cls, kwargs))
+        self.worker.start(run_rollout_loop, (shared, os.getpid(), signals.started),
+                          (self.loop_cls, kwargs))
         self.worker.wait_started(MAIN_GUARD)
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
