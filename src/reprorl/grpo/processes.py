@@ -2,9 +2,10 @@
 
 Both die with the trainer (`die_with_parent`), so a killed trainer leaves neither behind.
 `WorkerHandle` spawns the worker with the GPU hidden, waits until it runs (a worker that dies
-while starting is reported at once), and tells a failed worker (its traceback), a dead one (its
-exit code) and a hung one (no heartbeat) apart; `ServerProcess` starts `reprorl serve` and
-waits for the port file it writes once listening.
+while starting is reported at once), only then hands it its arguments through a pipe, and
+tells a failed worker (its traceback), a dead one (its exit code) and a hung one (no
+heartbeat) apart; `ServerProcess` starts `reprorl serve` and waits for the port file it
+writes once listening.
 """
 
 from __future__ import annotations
