@@ -90,8 +90,10 @@ def shown(value) -> str:
 
 
 def ensure_sft(config_path: str) -> None:
-    """The profile's SFT actor (and the model and corpus it needs), built when missing."""
-    if all(path.is_file() for path in layout.final_files("sft")):
+    """The profile's SFT actor and its PEFT export (and the model and corpus they need),
+    built when missing; benchmarks/peer_trl.py calls it too."""
+    wanted = [*layout.final_files("sft"), layout.peft("sft") / "adapter_model.safetensors"]
+    if all(path.is_file() for path in wanted):
         return
     # the target before --configfile, which takes every word after it as a file
     command = [sys.executable, "-m", "snakemake", "--cores", "all", "sft_resume",

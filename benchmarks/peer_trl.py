@@ -5,9 +5,10 @@
 
 Run from a working directory holding the pipeline's default-profile model and SFT actor
 (`assets/model`, `assets/checkpoints/sft-*`) and its corpus (`data/generated`); whatever is
-missing is built there first with `python -m snakemake --cores all --configfile <config>
-sft_resume` (base model, corpus, SFT), as benchmarks/grpo_async.py does. TRL is checked before
-anything is built or trained: without it the script stops with one line naming the install.
+missing is built there first with `python -m snakemake --cores all sft_resume --configfile
+<config>` (base model, corpus, SFT), by benchmarks/grpo_async.py's `ensure_sft`. TRL is checked
+before anything is built or trained: without it the script stops with one line naming the
+install.
 
 The two arms, run TRL, reprorl, TRL, reprorl (`--rounds 2`), each for `--steps` optimizer
 steps, on what they share:
@@ -84,12 +85,13 @@ import argparse
 import importlib
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from grpo_async import ensure_sft  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl import exports, layout
@@ -120,18 +122,6 @@ def require_trl() -> str:
         print(f"warning: TRL {trl.__version__} installed; this benchmark was written for "
               f"{TRL_VERSION}x ({INSTALL})", flush=True)
     return trl.__version__
-
-
-def ensure_sft(config_path: str) -> None:
-    """The profile's SFT actor (with the model and corpus it needs), built when missing."""
-    wanted = [*layout.final_files("sft"), layout.peft("sft") / "adapter_model.safetensors"]
-    if all(path.is_file() for path in wanted):
-        return
-    # the target before --configfile, which takes every word after it as a file
-    command = [sys.executable, "-m", "snakemake", "--cores", "all", "sft_resume",
-               "--configfile", config_path]
-    print("building the SFT actor first:", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
 
 
 def ordered_rows(config: dict) -> list[dict]:
