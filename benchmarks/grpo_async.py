@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
+
+from build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl import exports, layout
@@ -95,11 +95,7 @@ def ensure_sft(config_path: str) -> None:
     wanted = [*layout.final_files("sft"), layout.peft("sft") / "adapter_model.safetensors"]
     if all(path.is_file() for path in wanted):
         return
-    # the target before --configfile, which takes every word after it as a file
-    command = [sys.executable, "-m", "snakemake", "--cores", "all", "sft_resume",
-               "--configfile", config_path]
-    print("building the SFT actor first:", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+    snakemake("sft_resume", configfile=config_path)
 
 
 def main() -> None:

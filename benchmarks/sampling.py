@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl.sampling import sample, sample_many, sample_without_cache
 
@@ -151,9 +151,7 @@ def ensure_built(path: str) -> None:
         ("base_model", Path(path, "config.json").is_file()),
         ("prepare", (layout.CORPUS / "train/pages.json").is_file())) if not ready]
     if targets:
-        command = [sys.executable, "-m", "snakemake", "--cores", "all", *targets]
-        print("building first:", " ".join(command), flush=True)
-        subprocess.run(command, check=True)
+        snakemake(*targets)
 
 
 def default_model(path: str, count: int, seed: int, max_new_tokens: int) -> dict:

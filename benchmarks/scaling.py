@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl import corpus, layout
@@ -48,9 +48,7 @@ def ensure_built(model_path: str) -> None:
         ("base_model", Path(model_path, "tokenizer.json").is_file()),
         ("prepare", (layout.CORPUS / corpus.ROLLOUT_PROMPTS).is_file())) if not ready]
     if targets:
-        command = [sys.executable, "-m", "snakemake", "--cores", "all", *targets]
-        print("building first:", " ".join(command), flush=True)
-        subprocess.run(command, check=True)
+        snakemake(*targets)
 
 
 def random_model(directory: Path, width: int, tokenizer_dir: str, max_len: int) -> str:

@@ -1,0 +1,22 @@
+"""Build what a benchmark needs with the pipeline's own Snakemake targets."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def snakemake(*targets: str, configfile: str | None = None) -> None:
+    """Run `snakemake --cores all <targets>` with this interpreter. Its folder goes first on
+    PATH because the rules' shells call `python`: a venv's interpreter run without activating
+    the venv would otherwise leave them on a Python without reprorl."""
+    # the targets before --configfile, which takes every word after it as a file
+    command = [sys.executable, "-m", "snakemake", "--cores", "all", *targets]
+    if configfile is not None:
+        command += ["--configfile", configfile]
+    env = {**os.environ,
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    print("building first:", " ".join(command), flush=True)
+    subprocess.run(command, check=True, env=env)
