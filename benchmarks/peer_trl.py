@@ -74,7 +74,10 @@ the same from the end of the first step ("steady": leaves out both sides' first 
 reprorl's first step also generated the blocks its lag of 3 has in flight, so this favours
 it), TRL's "signal" tokens (those of groups with unequal rewards, what reprorl trains), the share
 of TRL's time in `generate()`, and reprorl's split of its time: waiting for rollouts (the
-server and worker bound the step), forward + backward, optimizer, weight sync, other. The
+server and worker bound the step), forward + backward, optimizer, weight sync, other; and the
+embedded server's share of the same time (its engine thread busy, in decode and in prefill,
+from its `reprorl:engine_*` counters read at the loop's start and end) with the sequences and
+adapters (weight versions) an average decode forward carried. The
 last line is one JSON object: `reprorl_tokens_per_s`, `trl_tokens_per_s` (all rounds' tokens
 over all rounds' seconds), `ratio` (reprorl over TRL), then the details.
 """
@@ -84,6 +87,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -150,11 +154,14 @@ def steady(tokens: list[float], ends: list[float]) -> float | None:
 
 
 class TimedAsyncTrainer(AsyncGRPOTrainer):
-    """Notes when the training loop starts and when each optimizer step ends."""
+    """Notes when the training loop starts and when each optimizer step ends, and the embedded
+    server's engine counters at the loop's start and end."""
 
     def _loop(self) -> None:
         self.loop_started, self.step_ends = time.monotonic(), []
+        self.engine_work = [engine_work(self.args.vllm_server_base_url)]
         super()._loop()
+        self.engine_work.append(engine_work(self.args.vllm_server_base_url))
 
     def _record_step(self, step, step_s: float) -> None:
         self.step_ends.append(time.monotonic())
@@ -201,7 +208,29 @@ def reprorl_arm(config: dict, rows: list[dict], steps: int, workdir: Path,
             "first_step_wait_s": trained[0].get("perf/rollout_wait_s"),
             "empty_blocks": trainer.run.version.value - result.global_step,
             "rollouts_in_flight": sum(concurrency) / len(concurrency) if concurrency else None,
-            "shares": shares}
+            "shares": shares, "server": server_shares(*trainer.engine_work)}
+
+
+def engine_work(base_url: str) -> dict:
+    """The embedded server's `reprorl:engine_*` counters (its /metrics), and when read."""
+    import requests
+
+    text = requests.get(f"{base_url}/metrics", timeout=30).text
+    work = {name: float(value) for name, value in
+            re.findall(r"^reprorl:engine_(\w+)_total\{[^}]*\} (\S+)$", text, re.M)}
+    return {**work, "at": time.monotonic()}
+
+
+def server_shares(before: dict, after: dict) -> dict:
+    """What the server's engine thread did between two readings: its busy share of that time,
+    split into decode and prefill, and what its decode forwards carried."""
+    delta = {key: after[key] - before[key] for key in before}
+    forwards = max(1.0, delta["decode_forwards"])
+    return {"busy": delta["busy_seconds"] / delta["at"],
+            "decode": delta["decode_seconds"] / delta["at"],
+            "prefill": delta["prefill_seconds"] / delta["at"],
+            "rows_per_decode_forward": delta["decode_rows"] / forwards,
+            "adapters_per_decode_forward": delta["decode_adapters"] / forwards}
 
 
 # ---------------------------------------------------------------------------------- TRL
@@ -410,15 +439,23 @@ def main() -> None:
              / sum(r["seconds"] for r in reprorl_runs) for k in reprorl_runs[0]["shares"]}
     print("reprorl's loop time: " + ", ".join(f"{k} {v:.1%}" for k, v in share.items())
           + " (rollout wait: the trainer idle on the worker and the embedded server)")
+    server = {k: sum(r["server"][k] for r in reprorl_runs) / len(reprorl_runs)
+              for k in reprorl_runs[0]["server"]}
+    print(f"reprorl's embedded server (mean of the rounds): its engine thread busy "
+          f"{server['busy']:.1%} of the loop (decode {server['decode']:.1%}, prefill "
+          f"{server['prefill']:.1%}); a decode forward carried "
+          f"{server['rows_per_decode_forward']:.1f} sequences and "
+          f"{server['adapters_per_decode_forward']:.2f} adapters (weight versions in flight)")
     summary = {"reprorl_tokens_per_s": round(ours, 2), "trl_tokens_per_s": round(theirs, 2),
                "ratio": round(ours / theirs, 3), "ratio_per_round": per_round,
                "trl_signal_tokens_per_s": round(rate("trl", "signal"), 2),
                "steady_tokens_per_s": {k: v and round(v, 2) for k, v in steady_rates.items()},
                "reprorl_time_shares": {k: round(v, 3) for k, v in share.items()},
+               "reprorl_server": {k: round(v, 3) for k, v in server.items()},
                "steps": args.steps, "rounds": args.rounds, "trl_version": trl_version,
                "trl_threads": args.trl_threads, "reprorl_trainer_threads": args.trainer_threads,
                "runs": [{k: round(v, 3) if isinstance(v, float) else v
-                         for k, v in r.items() if k != "shares"} for r in results]}
+                         for k, v in r.items() if k not in ("shares", "server")} for r in results]}
     print(json.dumps(summary))
 
 

@@ -105,6 +105,10 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
     # prefill draws token 1; one step of both groups draws token 2 and ends the short ones;
     # the long ones' 22 remaining tokens then take one forward each
     assert forwards == [0, 4] + [0] * 22
+    work = engine.work  # what /metrics reports as reprorl:engine_*
+    assert work["decode_forwards"] == 24 and work["decode_rows"] == 8 + 4 * 22
+    assert work["decode_adapters"] == 0  # the base model
+    assert 0 < work["decode_seconds"] + work["prefill_seconds"] <= work["busy_seconds"]
 
 
 def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(model):

@@ -110,6 +110,7 @@ def test_models_and_metrics(server, tiny_model):
                  "vllm:request_success_total", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total"):
         assert name in values
+    assert "# TYPE reprorl:engine_busy_seconds_total counter" in text
 
 
 def test_logprobs_match_direct_forward(server, reference, tiny_model):
@@ -243,8 +244,15 @@ def test_lora_adapters(server, reference, tiny_model, tmp_path):
     assert requests.post(load, json=body, timeout=30).status_code == 400  # already loaded
 
     prompt = prompt_ids(tokenizer, "Adapt me.")
+    before = metrics(server)
     choice = complete(server, model="policy-1", prompt=prompt, max_tokens=10, seed=5,
                       logprobs=0, ignore_eos=True, return_token_ids=True)
+    grew = {name: metrics(server)[f"reprorl:engine_{name}_total"] - before[
+        f"reprorl:engine_{name}_total"] for name in ("decode_forwards", "decode_rows",
+                                                     "decode_adapters")}
+    # alone on the server: the prefill draws token 1, then 9 forwards of one row, each
+    # applying the request's one adapter
+    assert grew == {"decode_forwards": 9, "decode_rows": 9, "decode_adapters": 9}
     tokens, served = choice["token_ids"], choice["logprobs"]["token_logprobs"]
     expected = direct_logprobs(adapted, prompt, tokens)
     base_scores = direct_logprobs(base, prompt, tokens)
@@ -378,6 +386,13 @@ def test_requests_beyond_the_slots_wait_and_stop_cleanly(tiny_model, reference, 
         assert values["vllm:kv_cache_usage_perc"] == 0
         assert values["vllm:request_success_total"] == 12
         assert values["vllm:generation_tokens_total"] == 12 * 24
+        # one slot: after each prefill, 23 forwards of that one sequence, no adapter
+        assert values["reprorl:engine_decode_forwards_total"] == 12 * 23
+        assert values["reprorl:engine_decode_rows_total"] == 12 * 23
+        assert values["reprorl:engine_decode_adapters_total"] == 0
+        stepping = (values["reprorl:engine_decode_seconds_total"]
+                    + values["reprorl:engine_prefill_seconds_total"])
+        assert 0 < stepping <= values["reprorl:engine_busy_seconds_total"]
         process.terminate()
         assert process.wait(timeout=15) == 0
 

@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -231,6 +232,11 @@ class Engine(threading.Thread):
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
         self.moves = 0  # sequences moved to a lower slot by `compact`
+        # where the engine thread's time goes (`reprorl:engine_*` on /metrics): whether the
+        # server is the bound, and what its decode forwards carry (adapters: each one in a
+        # group is applied to all its rows, so mixed weight versions cost a LoRA branch each)
+        self.work = {"busy_seconds": 0.0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
+                     "decode_forwards": 0, "decode_rows": 0, "decode_adapters": 0}
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to their ends in the caller's thread, the same steps the background
@@ -298,7 +304,9 @@ class Engine(threading.Thread):
                         if not calls:
                             newcomers = self.schedule()
                     if calls:  # then round again: the next step sees their effect
+                        started = time.perf_counter()
                         self.run_calls(calls)
+                        self.work["busy_seconds"] += time.perf_counter() - started
                         continue
                     try:
                         self.step(newcomers)
@@ -342,6 +350,7 @@ class Engine(threading.Thread):
         self.free.sort()
 
     def step(self, newcomers: list[Sequence]) -> None:
+        started = time.perf_counter()
         decoding = [s for s in self.running if s not in newcomers]
         if decoding:
             try:
@@ -353,8 +362,10 @@ class Engine(threading.Thread):
             for seq in decoding:
                 if rows.get(seq.slot) is not None:
                     self.guarded(seq, self.sample, seq, rows[seq.slot])
+        decoded = time.perf_counter()
         for seq in newcomers:
             self.guarded(seq, self.prefill, seq)
+        ended = time.perf_counter()
         with self.cond:
             for seq in [s for s in self.running if s.finish_reason or s.error]:
                 self.release(seq)
@@ -364,6 +375,9 @@ class Engine(threading.Thread):
                     seq.resolve(seq.error)
             if not self.waiting:  # a waiting request fills a hole at no cost: no move then
                 self.compact()
+        self.work["decode_seconds"] += decoded - started  # and the sampling of those rows
+        self.work["prefill_seconds"] += ended - decoded
+        self.work["busy_seconds"] += time.perf_counter() - started
 
     def compact(self) -> None:
         """While the running sequences use more decode groups than they would fill, move the
@@ -465,6 +479,9 @@ class Engine(threading.Thread):
             ids[row, 0], positions[row] = seq.generated[-1], seq.length - 1
             if seq.adapter is not None:
                 by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(row)
+        self.work["decode_forwards"] += 1
+        self.work["decode_rows"] += len(members)
+        self.work["decode_adapters"] += len(by_adapter)
         chosen = {}
         for key, (_, rows) in by_adapter.items():
             if len(rows) == len(members):  # every decoding row: the other rows are dummies

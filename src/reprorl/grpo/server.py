@@ -29,7 +29,8 @@ vLLM answers 500; a request with `seed: null` draws its seed from the server's
 
 Hardening (vLLM's behaviour where it has one): `--api-key` / `VLLM_API_KEY` requires a Bearer
 token on `/v1/*` (401 `{"error": "Unauthorized"}`, as vLLM). Additions of ours: `--lora-root`
-confines adapter paths to one directory (regular files only); every number must be finite and
+confines adapter paths to one directory (regular files only); `/metrics` also says where the
+engine thread's time goes (`reprorl:engine_*`); every number must be finite and
 in range; every error is vLLM's JSON error shape with its status (400 bad input, 404, 405, 413
 `--max-request-bytes`, 503 overloaded (`--max-waiting-requests`) or engine down, 500 only for
 a fault); an adapter with non-finite weights is refused; an exception while prefilling,
@@ -436,6 +437,26 @@ class Server:
              [(f'finished_reason="{r}",', n) for r, n in engine.successes.items()]),
             ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
              [(f'block_size="16",{blocks}', 1)]),
+        ]
+        work = engine.work  # reprorl's own: where the engine thread's time goes
+        table += [
+            ("reprorl:engine_busy_seconds_total", "counter",
+             "Seconds the engine thread spent stepping (and loading weights between steps).",
+             [("", work["busy_seconds"])]),
+            ("reprorl:engine_decode_seconds_total", "counter",
+             "Seconds in decode forwards and the sampling of their rows.",
+             [("", work["decode_seconds"])]),
+            ("reprorl:engine_prefill_seconds_total", "counter",
+             "Seconds admitting new requests (prompt prefill or its reuse, first token).",
+             [("", work["prefill_seconds"])]),
+            ("reprorl:engine_decode_forwards_total", "counter",
+             "Decode forwards (one per group of --decode-rows rows holding a sequence).",
+             [("", work["decode_forwards"])]),
+            ("reprorl:engine_decode_rows_total", "counter",
+             "Decoding sequences, summed over decode forwards.", [("", work["decode_rows"])]),
+            ("reprorl:engine_decode_adapters_total", "counter",
+             "LoRA adapters applied, summed over decode forwards (each to all the rows).",
+             [("", work["decode_adapters"])]),
         ]
         lines = []
         for name, kind, text, samples in table:
