@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from build import snakemake  # benchmarks/: the script's own folder
+from _build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl import exports, layout

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from build import snakemake  # benchmarks/: the script's own folder
+from _build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl.sampling import sample, sample_many, sample_without_cache
 

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from build import snakemake  # benchmarks/: the script's own folder
+from _build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl import corpus, layout

@@ -138,6 +138,19 @@ class Switch(nn.Module):
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
+# reprorl's own /metrics counters (`Engine.work`): where the engine thread's time goes
+ENGINE_WORK = {
+    "busy_seconds": "Seconds the engine thread spent stepping (and loading weights between "
+                    "steps).",
+    "decode_seconds": "Seconds in decode forwards and the sampling of their rows.",
+    "prefill_seconds": "Seconds admitting new requests (prompt prefill or its reuse, first "
+                       "token).",
+    "decode_forwards": "Decode forwards (one per group of --decode-rows rows holding a "
+                       "sequence).",
+    "decode_rows": "Decoding sequences, summed over decode forwards.",
+    "decode_adapters": "LoRA adapters applied, summed over decode forwards (each to all the "
+                       "rows).",
+}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -438,26 +451,8 @@ class Server:
             ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
              [(f'block_size="16",{blocks}', 1)]),
         ]
-        work = engine.work  # reprorl's own: where the engine thread's time goes
-        table += [
-            ("reprorl:engine_busy_seconds_total", "counter",
-             "Seconds the engine thread spent stepping (and loading weights between steps).",
-             [("", work["busy_seconds"])]),
-            ("reprorl:engine_decode_seconds_total", "counter",
-             "Seconds in decode forwards and the sampling of their rows.",
-             [("", work["decode_seconds"])]),
-            ("reprorl:engine_prefill_seconds_total", "counter",
-             "Seconds admitting new requests (prompt prefill or its reuse, first token).",
-             [("", work["prefill_seconds"])]),
-            ("reprorl:engine_decode_forwards_total", "counter",
-             "Decode forwards (one per group of --decode-rows rows holding a sequence).",
-             [("", work["decode_forwards"])]),
-            ("reprorl:engine_decode_rows_total", "counter",
-             "Decoding sequences, summed over decode forwards.", [("", work["decode_rows"])]),
-            ("reprorl:engine_decode_adapters_total", "counter",
-             "LoRA adapters applied, summed over decode forwards (each to all the rows).",
-             [("", work["decode_adapters"])]),
-        ]
+        table += [(f"reprorl:engine_{key}_total", "counter", text, [("", engine.work[key])])
+                  for key, text in ENGINE_WORK.items()]
         lines = []
         for name, kind, text, samples in table:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]

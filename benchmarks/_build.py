@@ -1,4 +1,5 @@
-"""Build what a benchmark needs with the pipeline's own Snakemake targets."""
+"""Not a benchmark: the helper the benchmarks import to build what they need with the
+pipeline's own Snakemake targets (so it prints no figures of its own)."""
 
 from __future__ import annotations
 
