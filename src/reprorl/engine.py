@@ -39,6 +39,22 @@ log = logging.getLogger("reprorl.serve")
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
 PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
 FINISH_REASONS = ("stop", "length", "abort")
+# `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
+# /metrics): whether the server is the bound, and what its decode forwards carry (adapters:
+# each one in a group is applied to all its rows, so mixed weight versions cost a LoRA branch
+# each); the key and its help text
+WORK = {
+    "busy_seconds": "Seconds the engine thread spent stepping (and loading weights between "
+                    "steps).",
+    "decode_seconds": "Seconds in decode forwards and the sampling of their rows.",
+    "prefill_seconds": "Seconds admitting new requests (prompt prefill or its reuse, first "
+                       "token).",
+    "decode_forwards": "Decode forwards (one per group of --decode-rows rows holding a "
+                       "sequence).",
+    "decode_rows": "Decoding sequences, summed over decode forwards.",
+    "decode_adapters": "LoRA adapters applied, summed over decode forwards (each to all the "
+                       "rows).",
+}
 
 
 class ApiError(Exception):
@@ -232,11 +248,7 @@ class Engine(threading.Thread):
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
         self.moves = 0  # sequences moved to a lower slot by `compact`
-        # where the engine thread's time goes (`reprorl:engine_*` on /metrics): whether the
-        # server is the bound, and what its decode forwards carry (adapters: each one in a
-        # group is applied to all its rows, so mixed weight versions cost a LoRA branch each)
-        self.work = {"busy_seconds": 0.0, "decode_seconds": 0.0, "prefill_seconds": 0.0,
-                     "decode_forwards": 0, "decode_rows": 0, "decode_adapters": 0}
+        self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to their ends in the caller's thread, the same steps the background

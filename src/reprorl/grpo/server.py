@@ -73,6 +73,7 @@ from ..engine import (
     Engine,
     Params,
     Sequence,
+    WORK,
 )
 from ..lora import PEFT_PREFIX, TARGETS, with_adapter
 
@@ -138,19 +139,6 @@ class Switch(nn.Module):
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
-# reprorl's own /metrics counters (`Engine.work`): where the engine thread's time goes
-ENGINE_WORK = {
-    "busy_seconds": "Seconds the engine thread spent stepping (and loading weights between "
-                    "steps).",
-    "decode_seconds": "Seconds in decode forwards and the sampling of their rows.",
-    "prefill_seconds": "Seconds admitting new requests (prompt prefill or its reuse, first "
-                       "token).",
-    "decode_forwards": "Decode forwards (one per group of --decode-rows rows holding a "
-                       "sequence).",
-    "decode_rows": "Decoding sequences, summed over decode forwards.",
-    "decode_adapters": "LoRA adapters applied, summed over decode forwards (each to all the "
-                       "rows).",
-}
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -452,7 +440,7 @@ class Server:
              [(f'block_size="16",{blocks}', 1)]),
         ]
         table += [(f"reprorl:engine_{key}_total", "counter", text, [("", engine.work[key])])
-                  for key, text in ENGINE_WORK.items()]
+                  for key, text in WORK.items()]
         lines = []
         for name, kind, text, samples in table:
             lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
