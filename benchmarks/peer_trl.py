@@ -76,8 +76,9 @@ it), TRL's "signal" tokens (those of groups with unequal rewards, what reprorl t
 of TRL's time in `generate()`, and reprorl's split of its time: waiting for rollouts (the
 server and worker bound the step), forward + backward, optimizer, weight sync, other; and the
 embedded server's share of the same time (its engine thread busy, in decode and in prefill,
-from its `reprorl:engine_*` counters read at the loop's start and end) with the sequences and
-adapters (weight versions) an average decode forward carried. The
+from its `reprorl:engine_*` counters read at the loop's start and end) with the sequences,
+rows (the sequences and idle slots beside them) and adapters (weight versions) an average
+decode forward carried. The
 last line is one JSON object: `reprorl_tokens_per_s`, `trl_tokens_per_s` (all rounds' tokens
 over all rounds' seconds), `ratio` (reprorl over TRL), then the details.
 """
@@ -230,6 +231,7 @@ def server_shares(before: dict, after: dict) -> dict:
             "decode": delta["decode_seconds"] / delta["at"],
             "prefill": delta["prefill_seconds"] / delta["at"],
             "rows_per_decode_forward": delta["decode_rows"] / forwards,
+            "slots_per_decode_forward": delta["decode_slots"] / forwards,
             "adapters_per_decode_forward": delta["decode_adapters"] / forwards}
 
 
@@ -444,7 +446,8 @@ def main() -> None:
     print(f"reprorl's embedded server (mean of the rounds): its engine thread busy "
           f"{server['busy']:.1%} of the loop (decode {server['decode']:.1%}, prefill "
           f"{server['prefill']:.1%}); a decode forward carried "
-          f"{server['rows_per_decode_forward']:.1f} sequences and "
+          f"{server['rows_per_decode_forward']:.1f} sequences in "
+          f"{server['slots_per_decode_forward']:.1f} rows and "
           f"{server['adapters_per_decode_forward']:.2f} adapters (weight versions in flight)")
     summary = {"reprorl_tokens_per_s": round(ours, 2), "trl_tokens_per_s": round(theirs, 2),
                "ratio": round(ours / theirs, 3), "ratio_per_round": per_round,

@@ -104,3 +104,37 @@ def test_peft_export_loads_in_peft_with_same_logits(tmp_path):
     lora.inject(again, 8, 16, seed=7)
     lora.load_peft_into(again, tmp_path / "adapter")
     assert torch.equal(ours(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 40])
+@pytest.mark.parametrize("shape", [(64, 128), (256, 768), (768, 256), (896, 4864)])
+def test_row_adapters_give_each_row_what_its_adapter_gives_it_bitwise(rows, shape):
+    """The generation server's batched branch (`with_row_adapters`: every adapter over all
+    rows in one `bmm`, each row keeping its own) against `with_adapter` row by row, with one
+    torch thread (where the engine stacks adapters): the same bits, at the CI, default and
+    Qwen2.5-0.5B shapes, a row without an adapter keeping the base result."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        check_row_adapters(rows, *shape)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_row_adapters(rows: int, inputs: int, outputs: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1, inputs, generator=generator)
+    result = torch.randn(rows, 1, outputs, generator=generator)
+    adapters = [(torch.randn(8, inputs, generator=generator) * 0.1,
+                 torch.randn(outputs, 8, generator=generator) * 0.1, scale)
+                for scale in (2.0, 0.5, 4.0)]
+    which = torch.randint(-1, len(adapters), (rows,), generator=generator)  # -1: no adapter
+    a = torch.stack([a for a, _, _ in adapters]).transpose(1, 2)
+    b = torch.stack([b for _, b, _ in adapters]).transpose(1, 2)
+    scale = torch.tensor([adapters[k][2] if k >= 0 else 0.0 for k in which]).view(rows, 1, 1)
+    pick = which.clamp(min=0) * rows + torch.arange(rows)
+    batched = lora.with_row_adapters(result, x, a, b, pick, scale)
+    for row, k in enumerate(which.tolist()):
+        expected = result[row] if k < 0 else lora.with_adapter(
+            result, x, *adapters[k])[row]  # the whole batch, as the engine ran it before
+        assert torch.equal(batched[row], expected), (row, k)

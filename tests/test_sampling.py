@@ -94,9 +94,9 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
             for p, limit, generator in zip(pool, limits, generators(range(8)))]
     engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
     forwards = []
-    decode_group = engine.decode_group
-    engine.decode_group = lambda first, members: forwards.append(first) or decode_group(
-        first, members)
+    decode_slots = engine.decode_slots
+    engine.decode_slots = lambda first, end, members: forwards.append(first) or decode_slots(
+        first, end, members)
     engine.generate(seqs)
     for seq, expected in zip(seqs, alone):
         assert seq.generated == expected.response_ids
@@ -109,6 +109,47 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
     assert work["decode_forwards"] == 24 and work["decode_rows"] == 8 + 4 * 22
     assert work["decode_adapters"] == 0  # the base model
     assert 0 < work["decode_seconds"] + work["prefill_seconds"] <= work["busy_seconds"]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_thread):
+    """Groups of 16 rows on the CPU with one thread: a decode forward spans the slots up to
+    the highest in use (a row's bits are the same at every row count from 16 up). 40
+    prompts on 32 slots, ending after 1 to 24 tokens, draw the bits each draws alone (one
+    16-row forward a step); the forwards hold 16 to 32 rows, and sequences left above holes
+    move down. With two threads the engine decodes by groups again."""
+    from reprorl.engine import Engine, Params, Sequence
+
+    pool = prompts(40, 17)
+    limits = [1 + (7 * i) % 24 for i in range(len(pool))]
+    alone = [sample_many(model, [p], limit, -1, MAX_LEN, generators([i]), rows=16)[0]
+             for i, (p, limit) in enumerate(zip(pool, limits))]
+    seqs = [Sequence(list(p), Params(max_tokens=limit, temperature=1.0, logprobs=0),
+                     None, generator)
+            for p, limit, generator in zip(pool, limits, generators(range(len(pool))))]
+    engine = Engine(model, {}, 32, 32 * MAX_LEN, MAX_LEN, rows=16)
+    assert engine.span
+    sizes = []
+    decode_slots = engine.decode_slots
+    engine.decode_slots = lambda first, end, members: sizes.append(end - first) or decode_slots(
+        first, end, members)
+    engine.generate(seqs)
+    for seq, expected in zip(seqs, alone):
+        assert seq.generated == expected.response_ids
+        assert [lp for lp, _, _ in seq.logprobs] == expected.logprobs
+    assert min(sizes) == 16 and max(sizes) == 32
+    assert any(16 < size < 32 for size in sizes) and engine.moves > 0
+    assert engine.work["decode_forwards"] == len(sizes)
+    assert engine.work["decode_slots"] == sum(sizes)
+    torch.set_num_threads(2)
+    assert not engine.span and not engine.stacked
 
 
 def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(model):

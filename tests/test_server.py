@@ -397,12 +397,19 @@ def test_requests_beyond_the_slots_wait_and_stop_cleanly(tiny_model, reference, 
         assert process.wait(timeout=15) == 0
 
 
-def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path):
+@pytest.mark.parametrize(("layout", "filling"), [
+    (("--max-num-seqs", "6", "--decode-rows", "2"), 12),
+    (("--max-num-seqs", "32", "--decode-rows", "16"), 36),
+    (("--max-num-seqs", "32", "--decode-rows", "16", "--threads", "2"), 36),
+], ids=["groups-of-2", "spanning", "groups-of-16-two-threads"])
+def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path, layout, filling):
     """A request's tokens, log-probs and top log-probs are bitwise the same alone and among
     any others: random subsets of twelve target requests (prompt lengths 1-40, base model or
     one of two adapters of ranks 4 and 8, greedy or sampled with top-k/top-p/min-p) plus
-    fillers, in random order with random delays, on 6 slots decoded in 3 groups of 2 rows (so
-    some wait for a slot, and groups run with one or two members)."""
+    fillers, in random order with random delays. On 6 slots decoded in 3 groups of 2 rows,
+    some wait for a slot, and groups run with one or two members; on 32 slots in groups of
+    16 with one thread, a forward spans 16 to 32 rows and stacks the adapters of one rank;
+    with two threads, it decodes by groups and applies each adapter alone."""
     import json
     import random
 
@@ -422,10 +429,10 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path):
 
     targets = [request(i) for i in range(12)]
     assert any("repetition_penalty" in body for body in targets)
-    fillers = [request(100 + i) for i in range(12)]
-    flags = ("--max-model-len", "128", "--max-num-seqs", "6", "--decode-rows", "2",
-             "--max-loras", "2", "--max-lora-rank", "8")
+    fillers = [request(100 + i) for i in range(filling)]
+    flags = ("--max-model-len", "128", *layout, "--max-loras", "2", "--max-lora-rank", "8")
     with running_server(tiny_model, tmp_path, *flags) as (url, _):
+        before = metrics(url)
         for name, rank, seed in (("lora-a", 4, 1), ("lora-b", 8, 2)):
             adapter_model(tiny_model, tmp_path / name, rank, seed)
             assert requests.post(f"{url}/v1/load_lora_adapter", timeout=30, json={
@@ -452,7 +459,15 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path):
                     assert answer["token_ids"] == alone[i]["token_ids"], (i, batch)
                     assert answer["logprobs"] == alone[i]["logprobs"], (i, batch)
                     compared += 1
-        print(json.dumps({"invariance_mixes": mixes, "target_comparisons": compared}))
+        work = {name: metrics(url)[f"reprorl:engine_decode_{name}_total"]
+                - before[f"reprorl:engine_decode_{name}_total"] for name in ("forwards", "slots")}
+        rows = int(layout[layout.index("--decode-rows") + 1])
+        if rows < 16 or "--threads" in layout:  # one forward per group in use
+            assert work["slots"] == rows * work["forwards"]
+        else:  # spanning: 16 rows at least, more when over 16 sequences ran
+            assert 16 * work["forwards"] < work["slots"] < 32 * work["forwards"]
+        print(json.dumps({"invariance_mixes": mixes, "target_comparisons": compared,
+                          "rows_per_decode_forward": work["slots"] / work["forwards"]}))
 
 
 def poisoned_adapters(tiny_model, root):

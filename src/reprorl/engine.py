@@ -2,9 +2,11 @@
 
 Continuous batching over preallocated KV slots (one per running sequence, from offset 0, in
 whole groups of `rows` slots): each step admits waiting sequences FIFO into the lowest free
-slots, prefills each alone, and decodes every group of slots that holds a running sequence in
-one forward of a fixed shape, whatever adapters they use. So a sequence's tokens, log-probs and
-top log-probs are bitwise the same whatever else runs beside it. Log-probs are vLLM's
+slots, prefills each alone, and decodes the running sequences whatever adapters they use: in
+one forward over the slots up to the highest in use (on the CPU with one thread and groups of
+16 rows or more, where the row count changes no row's bits), or in one forward of a fixed
+shape per group of slots in use. So a sequence's tokens, log-probs and top log-probs are
+bitwise the same whatever else runs beside it. Log-probs are vLLM's
 `processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; greedy:
 the penalised log-softmax); each sequence samples with its own generator. `grpo/server.py` runs
 the engine in a background thread behind vLLM's HTTP API; `sampling.sample_many` drives it in
@@ -38,6 +40,13 @@ from .encoding import mask_for
 log = logging.getLogger("reprorl.serve")
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
 PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
+# On the CPU with one torch thread (measured for the products of the CI, default and
+# Qwen2.5-0.5B shapes): a row's result is bitwise the same at every row count from 16 up (to
+# 512; SDPA's at any count), and each item of a batched product is what that product alone
+# gives. With two threads neither holds. So only there does a decode forward span the slots
+# in use (`Engine.span`) and run its rows' adapters in one batched product (`stack_adapters`).
+SPAN_ROWS = 16
+STACKED_COMBINATIONS = 4  # combinations of adapters whose stacked weights are kept
 FINISH_REASONS = ("stop", "length", "abort")
 # `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
 # /metrics): whether the server is the bound, and what its decode forwards carry (adapters:
@@ -49,9 +58,11 @@ WORK = {
     "decode_seconds": "Seconds in decode forwards and the sampling of their rows.",
     "prefill_seconds": "Seconds admitting new requests (prompt prefill or its reuse, first "
                        "token).",
-    "decode_forwards": "Decode forwards (one per group of --decode-rows rows holding a "
-                       "sequence).",
+    "decode_forwards": "Decode forwards (one spanning the slots in use, or one per group of "
+                       "--decode-rows slots in use).",
     "decode_rows": "Decoding sequences, summed over decode forwards.",
+    "decode_slots": "Rows computed by decode forwards (the decoding sequences and the idle "
+                    "slots beside them), summed.",
     "decode_adapters": "LoRA adapters applied, summed over decode forwards (each to all the "
                        "rows).",
 }
@@ -70,6 +81,37 @@ class Adapter:
     name: str
     path: str
     weights: dict  # module name -> (A, B, scale)
+
+    @property
+    def rank(self) -> int:
+        return next(iter(self.weights.values()))[0].shape[0]
+
+    @property
+    def scale(self) -> float:  # alpha / r, the same for every module
+        return next(iter(self.weights.values()))[2]
+
+
+def stack_adapters(adapters: tuple[Adapter, ...], switches: dict[str, torch.nn.Module],
+                   together: bool) -> list[tuple[tuple[Adapter, ...], dict]]:
+    """`adapters` in stacks (those of one rank `together`, else each alone) and, for each
+    stack, by module, their A^T and B^T stacked, [n, in, r] and [n, r, out]
+    (`lora.with_row_adapters`), zeros where an adapter lacks the module."""
+    stacks: dict[int, list[Adapter]] = {}
+    for adapter in adapters:
+        stacks.setdefault(adapter.rank if together else id(adapter), []).append(adapter)
+    stacked = []
+    for members in stacks.values():
+        rank, weights = members[0].rank, {}
+        for name, switch in switches.items():
+            base = switch.base.weight
+            zeros = (base.new_zeros(rank, base.shape[1], dtype=torch.float32),
+                     base.new_zeros(base.shape[0], rank, dtype=torch.float32))
+            pairs = [adapter.weights.get(name, zeros)[:2] for adapter in members]
+            weights[name] = (torch.stack([a for a, _ in pairs]).transpose(1, 2),
+                             torch.stack([b for _, b in pairs]).transpose(1, 2))
+        stacked.append((tuple(members), weights))
+    return stacked
+
 
 @dataclass
 class Params:
@@ -204,19 +246,21 @@ class Engine(threading.Thread):
     """Continuous batching in a background thread; the event loop only submits and awaits.
 
     Batch invariance: a request's tokens and log-probs are bitwise the same whatever runs
-    beside it. The slots are decoded in groups of `rows` consecutive slots, one forward of
-    exactly `rows` rows per group that holds a decoding sequence, whichever adapters they use
-    (a CPU GEMM's row result depends on how many rows there are, measured here: below 11 to
-    16 rows the bits differ from above, but at a fixed count not on the row's place or the
-    other rows' values); the attended
-    length is the group's longest row rounded up to 64 (with the positions beyond each row
-    masked, the result does not depend on that length, measured); a prompt is prefilled alone
-    (the samples of a group, which share it, reuse one prefill: the same forward, same bits);
+    beside it. A CPU GEMM's row result depends on how many rows there are (measured here:
+    below 11 to 16 rows the bits differ from above), never on the row's place or the other
+    rows' values. So the slots are decoded in groups of `rows` consecutive slots, one forward
+    of exactly `rows` rows per group that holds a decoding sequence, whichever adapters they
+    use; or, where a row's bits are the same at every count from 16 up (`span`: the CPU with
+    one thread, SPAN_ROWS), in one forward over the slots up to the highest in use, which
+    computes each weight matrix once a step however many groups run. The attended length is
+    the forward's longest row rounded up to 64 (with the positions beyond each row masked,
+    the result does not depend on that length, measured); a prompt is prefilled alone (the
+    samples of a group, which share it, reuse one prefill: the same forward, same bits);
     nothing is ever recomputed (no preemption: a request waits for a free slot). When
     sequences end and nobody waits, the sequences of the highest slots move, KV and all, into
-    the holes of lower groups (`compact`): since a row's bits depend neither on its place nor
-    on the window length, a move changes no bit, and the running sequences decode in as few
-    forwards as they can. `tests/test_server.py` checks the invariance end to end.
+    lower holes (`compact`): since a row's bits depend neither on its place nor on the window
+    length, a move changes no bit, and the running sequences decode in as few rows as they
+    can. `tests/test_server.py` checks the invariance end to end.
     """
 
     def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
@@ -248,7 +292,21 @@ class Engine(threading.Thread):
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
         self.moves = 0  # sequences moved to a lower slot by `compact`
+        # adapter ids -> (adapters, `stack_adapters` of them), the latest combinations
+        self.stacks: OrderedDict[tuple, tuple] = OrderedDict()
         self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
+
+    @property
+    def stacked(self) -> bool:
+        """Whether a decode forward applies its rows' adapters of one rank in one batched
+        product (else each adapter in its own): on the CPU with one torch thread."""
+        return self.device.type == "cpu" and torch.get_num_threads() == 1
+
+    @property
+    def span(self) -> bool:
+        """Whether a decode forward spans the slots up to the highest in use (else one forward
+        per group of `rows` slots in use): `stacked`, and groups of SPAN_ROWS rows or more."""
+        return self.stacked and self.rows >= SPAN_ROWS
 
     def generate(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to their ends in the caller's thread, the same steps the background
@@ -392,15 +450,24 @@ class Engine(threading.Thread):
         self.work["busy_seconds"] += time.perf_counter() - started
 
     def compact(self) -> None:
-        """While the running sequences use more decode groups than they would fill, move the
-        sequence of the highest slot into a hole of a lower group, one in use if there is."""
-        while True:
-            used = {seq.slot // self.rows for seq in self.running}
-            if len(used) <= -(-len(self.running) // self.rows):
-                return
+        """Move the sequence of the highest slot into a lower hole while that makes the decode
+        forwards smaller: spanning, while the highest is beyond the first `rows` slots and a
+        hole lies below it (into the lowest); by groups, while the running sequences use more
+        groups than they would fill (into a group in use if there is one)."""
+        while self.running:
             last = max(self.running, key=lambda seq: seq.slot)
-            hole = min((slot for slot in self.free if slot // self.rows < last.slot // self.rows),
-                       key=lambda slot: (slot // self.rows not in used, slot))
+            if self.span:
+                holes = [slot for slot in self.free if slot < last.slot]
+                if last.slot < self.rows or not holes:
+                    return
+                hole = holes[0]
+            else:
+                used = {seq.slot // self.rows for seq in self.running}
+                if len(used) <= -(-len(self.running) // self.rows):
+                    return
+                hole = min((slot for slot in self.free
+                            if slot // self.rows < last.slot // self.rows),
+                           key=lambda slot: (slot // self.rows not in used, slot))
             self.fill_slot(hole, [(layer.keys[last.slot, :, :last.length],
                                    layer.values[last.slot, :, :last.length])
                                   for layer in self.cache.layers])
@@ -470,21 +537,28 @@ class Engine(threading.Thread):
             switch.active = weights.get(name)
 
     def decode(self, decoding: list[Sequence]) -> dict[int, torch.Tensor]:
-        """One token for each of `decoding`: one forward per group of `rows` slots that holds
-        one of them. Returns the logits by slot."""
+        """One token for each of `decoding`: one forward over the slots up to the highest
+        that holds one of them, `rows` at least (`span`), or one forward per group of `rows`
+        slots that holds one. Returns the logits by slot."""
+        if self.span:
+            end = max(self.rows, 1 + max(seq.slot for seq in decoding))
+            return self.decode_slots(0, end, decoding)
         groups: dict[int, list[Sequence]] = {}
         for seq in decoding:
             groups.setdefault(seq.slot // self.rows, []).append(seq)
         logits = {}
         for group, members in sorted(groups.items()):
-            logits.update(self.decode_group(group * self.rows, members))
+            logits.update(self.decode_slots(group * self.rows, (group + 1) * self.rows,
+                                            members))
         return logits
 
-    def decode_group(self, first: int, members: list[Sequence]) -> dict[int, torch.Tensor]:
-        """Slots [first, first + rows) in one forward of that fixed shape; the slots without a
-        decoding sequence decode a dummy token at position 0 and keep their caches."""
-        ids = torch.zeros(self.rows, 1, dtype=torch.long)
-        positions = torch.zeros(self.rows, dtype=torch.long)
+    def decode_slots(self, first: int, end: int, members: list[Sequence]
+                     ) -> dict[int, torch.Tensor]:
+        """Slots [first, end) in one forward; the slots without a decoding sequence decode
+        a dummy token at position 0 and keep their caches."""
+        count = end - first
+        ids = torch.zeros(count, 1, dtype=torch.long)
+        positions = torch.zeros(count, dtype=torch.long)
         by_adapter: dict[int, tuple[Adapter, list[int]]] = {}
         for seq in members:
             row = seq.slot - first
@@ -493,18 +567,9 @@ class Engine(threading.Thread):
                 by_adapter.setdefault(id(seq.adapter), (seq.adapter, []))[1].append(row)
         self.work["decode_forwards"] += 1
         self.work["decode_rows"] += len(members)
+        self.work["decode_slots"] += count
         self.work["decode_adapters"] += len(by_adapter)
-        chosen = {}
-        for key, (_, rows) in by_adapter.items():
-            if len(rows) == len(members):  # every decoding row: the other rows are dummies
-                chosen[key] = None
-            else:
-                chosen[key] = torch.zeros(self.rows, 1, 1, dtype=torch.bool, device=self.device)
-                chosen[key][rows] = True
-        for name, switch in self.switches.items():
-            switch.by_row = [(adapter.weights[name], chosen[key])
-                             for key, (adapter, _) in by_adapter.items()
-                             if name in adapter.weights]
+        self.adapt_rows(count, list(by_adapter.values()))
         # the longest row rounded up to 64 (its bits measured independent of that length on
         # the CPU; on a GPU, where that is unmeasured, the whole slot: one shape always)
         length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64) if (
@@ -512,7 +577,7 @@ class Engine(threading.Thread):
         ids, positions = ids.to(self.device), positions.to(self.device)  # filled on the CPU
         decoding = torch.tensor([seq.slot - first for seq in members], device=self.device)
         for layer in self.cache.layers:
-            layer.window = (first, first + self.rows, length)
+            layer.window = (first, end, length)
             layer.rows, layer.positions = decoding, positions[decoding]
         # 4-D: transformers uses it as given (`mask_for`: boolean for SDPA, additive for
         # eager); a 2-D mask that happens to be all true (a full group at one position) would
@@ -530,6 +595,39 @@ class Engine(threading.Thread):
                 switch.by_row = []
         logits = output.logits[:, -1]
         return {seq.slot: logits[seq.slot - first] for seq in members}
+
+    def adapt_rows(self, count: int, by_adapter: list[tuple[Adapter, list[int]]]) -> None:
+        """Set every switch's per-row adapters for one decode forward of `count` rows: for
+        each stack of adapters (`stack_adapters`; kept for the last few combinations, as a
+        combination changes only when sequences come and go), its weights, the row of the
+        stacked results each row keeps and the row's scale (0 for a row without an adapter
+        in the stack, a dummy row included)."""
+        for switch in self.switches.values():
+            switch.by_row = []
+        if not by_adapter:
+            return
+        together = self.stacked
+        adapters = tuple(sorted((adapter for adapter, _ in by_adapter), key=id))
+        key = (together, *map(id, adapters))
+        hit = self.stacks.get(key)
+        if hit is None or any(a is not b for a, b in zip(hit[0], adapters)):  # an id reused
+            hit = self.stacks[key] = (adapters, stack_adapters(adapters, self.switches,
+                                                               together))
+            while len(self.stacks) > STACKED_COMBINATIONS:
+                self.stacks.popitem(last=False)
+        self.stacks.move_to_end(key)
+        rows_of = {id(adapter): rows for adapter, rows in by_adapter}
+        every_row = torch.arange(count)
+        for members, weights in hit[1]:
+            place = torch.zeros(count, dtype=torch.long)
+            scale = torch.zeros(count, 1, 1)
+            for index, adapter in enumerate(members):
+                place[rows_of[id(adapter)]] = index
+                scale[rows_of[id(adapter)]] = adapter.scale
+            pick = (place * count + every_row).to(self.device)
+            scale = scale.to(self.device)
+            for name, switch in self.switches.items():
+                switch.by_row.append((*weights[name], pick, scale))
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params

@@ -54,6 +54,22 @@ def with_adapter(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
     return (result.float() + scale * delta).to(result.dtype)
 
 
+def with_row_adapters(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      pick: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`with_adapter` for a batch whose rows use different adapters, all in one batched
+    product: `a` [n, in, r] and `b` [n, r, out] stack n adapters' A^T and B^T; row i keeps
+    row `pick[i]` of the [n x rows, out] results (its adapter's place x rows + i), scaled by
+    `scale[i]` [rows, 1, 1], its alpha / r (0 for a row without an adapter: it keeps
+    `result`, up to the sign of an exact zero). Every adapter runs over all the rows, one
+    item of `bmm` each: two kernel calls whatever n is. On the CPU with one torch thread an
+    item is bitwise what `with_adapter`'s two products give (`tests/test_lora.py`); with
+    more threads it is not, and may depend on n."""
+    rows = x.shape[0]
+    inputs = x.float().reshape(1, rows, -1).expand(a.shape[0], rows, -1)
+    delta = torch.bmm(torch.bmm(inputs, a), b).flatten(0, 1).index_select(0, pick)
+    return (result.float() + scale * delta.view(result.shape)).to(result.dtype)
+
+
 def inject(model: nn.Module, rank: int, alpha: float, seed: int) -> int:
     """Wrap every target projection of every layer, freeze everything else, and return the
     adapter parameter count.

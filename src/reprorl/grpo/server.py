@@ -10,8 +10,9 @@ vLLM's request and response shapes, so a client written against it runs unchange
 steps) and `/reset_prefix_cache`, through which full-model training syncs merged weights.
 A background thread runs the batch-invariant engine (`reprorl.engine.Engine`) over
 `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
-groups of `--decode-rows`: a request's tokens, log-probs and top log-probs are bitwise the same
-whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after the repetition
+groups of `--decode-rows` (with one thread and 16 rows or more, one forward spans every group in
+use): a request's tokens, log-probs and top log-probs are bitwise the same whatever else runs
+beside it. Log-probs are vLLM's `processed_logprobs` (after the repetition
 penalty, temperature, min-p, top-k, top-p; greedy: the penalised log-softmax). Each request samples
 with its own generator.
 
@@ -75,7 +76,7 @@ from ..engine import (
     Sequence,
     WORK,
 )
-from ..lora import PEFT_PREFIX, TARGETS, with_adapter
+from ..lora import PEFT_PREFIX, TARGETS, with_adapter, with_row_adapters
 
 log = logging.getLogger("reprorl.serve")
 
@@ -121,21 +122,20 @@ def _refuse_constant(name: str):
 
 
 class Switch(nn.Module):
-    """A base linear layer plus an adapter (`lora.with_adapter`): one for the whole input
-    (`active`, while one prompt is prefilled), or one per batch row (`by_row`, while every
-    slot decodes): each adapter is applied to all rows, a fixed shape, and kept on its own
-    rows (all of them when it serves every decoding row: the others are dummies)."""
+    """A base linear layer plus adapters: one for the whole input (`active`, while one prompt
+    is prefilled, `lora.with_adapter`), or one per batch row (`by_row`, while every slot
+    decodes, `lora.with_row_adapters`): one batched product per stack of the rows' adapters
+    (`engine.stack_adapters`), each adapter over all rows, each row keeping its own."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.base, self.active = base, None  # active: (A, B, scale) or None
-        self.by_row: list = []  # [((A, B, scale), rows: bool [slots, 1, 1] or None: all)]
+        self.by_row: list = []  # [(A^T stack, B^T stack, pick, scale)], see with_row_adapters
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
-        for weights, rows in self.by_row:
-            adapted = with_adapter(result, x, *weights)
-            result = adapted if rows is None else torch.where(rows, adapted, result)
+        for stacks in self.by_row:
+            result = with_row_adapters(result, x, *stacks)
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
@@ -757,7 +757,8 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     add("--max-model-len", type=count(1), default=None, help="default: max_position_embeddings")
     add("--max-num-seqs", type=count(1), default=64, help="running sequences at most")
     add("--decode-rows", type=count(1), default=16,
-        help="rows of every decode forward (a fixed shape: batch invariance)")
+        help="rows of a decode group: a forward decodes one group, a fixed shape, or with "
+             "one thread and 16 rows or more every group in use (batch invariance)")
     add("--max-waiting-requests", type=count(1), default=1024,
         help="queued requests at most; more are refused with 503")
     add("--max-request-bytes", type=count(1024), default=2 << 20,
