@@ -112,7 +112,7 @@ def test_row_adapters_give_each_row_what_its_adapter_gives_it_bitwise(rows, shap
     """The generation server's batched branch (`with_row_adapters`: every adapter over all
     rows in one `bmm`, each row keeping its own) against `with_adapter` row by row, with one
     torch thread (where the engine stacks adapters): the same bits, at the CI, default and
-    Qwen2.5-0.5B shapes, a row without an adapter keeping the base result."""
+    Qwen2.5-0.5B shapes, with scales that are not powers of two (rsLoRA's alpha / sqrt r)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -127,7 +127,7 @@ def check_row_adapters(rows: int, inputs: int, outputs: int) -> None:
     result = torch.randn(rows, 1, outputs, generator=generator)
     adapters = [(torch.randn(8, inputs, generator=generator) * 0.1,
                  torch.randn(outputs, 8, generator=generator) * 0.1, scale)
-                for scale in (2.0, 0.5, 4.0)]
+                for scale in (2.0, 16 / 8 ** 0.5, 0.3)]
     which = torch.randint(-1, len(adapters), (rows,), generator=generator)  # -1: no adapter
     a = torch.stack([a for a, _, _ in adapters]).transpose(1, 2)
     b = torch.stack([b for _, b, _ in adapters]).transpose(1, 2)

@@ -462,10 +462,13 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path, lay
         work = {name: metrics(url)[f"reprorl:engine_decode_{name}_total"]
                 - before[f"reprorl:engine_decode_{name}_total"] for name in ("forwards", "slots")}
         rows = int(layout[layout.index("--decode-rows") + 1])
-        if rows < 16 or "--threads" in layout:  # one forward per group in use
-            assert work["slots"] == rows * work["forwards"]
-        else:  # spanning: 16 rows at least, more when over 16 sequences ran
+        logged = (tmp_path / "server.log").read_text()
+        if rows >= 16 and "--threads" not in layout:  # one thread: the engine probed the CPU
+            assert ("decode: spanning" in logged) != ("decode: by groups" in logged)
+        if "decode: spanning" in logged:  # 16 rows at least, more when over 16 sequences ran
             assert 16 * work["forwards"] < work["slots"] < 32 * work["forwards"]
+        else:  # one forward per group in use
+            assert work["slots"] == rows * work["forwards"]
         print(json.dumps({"invariance_mixes": mixes, "target_comparisons": compared,
                           "rows_per_decode_forward": work["slots"] / work["forwards"]}))
 

@@ -40,12 +40,14 @@ from .encoding import mask_for
 log = logging.getLogger("reprorl.serve")
 GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
 PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
-# On the CPU with one torch thread (measured for the products of the CI, default and
-# Qwen2.5-0.5B shapes): a row's result is bitwise the same at every row count from 16 up (to
-# 512; SDPA's at any count), and each item of a batched product is what that product alone
-# gives. With two threads neither holds. So only there does a decode forward span the slots
-# in use (`Engine.span`) and run its rows' adapters in one batched product (`stack_adapters`).
+# On this project's Intel Xeon with one torch thread, for the products of the CI, default and
+# Qwen2.5-0.5B shapes in float32: a row's result is bitwise the same at every row count from
+# 16 up (to 512; SDPA's at any count), and each item of a batched product is what that
+# product alone gives. With two threads neither holds. Where `rows_invariant` finds both (one
+# CPU thread), a decode forward spans the slots in use (`Engine.span`) and runs its rows'
+# adapters in one batched product (`stack_adapters`); elsewhere it decodes by groups.
 SPAN_ROWS = 16
+SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 STACKED_COMBINATIONS = 4  # combinations of adapters whose stacked weights are kept
 FINISH_REASONS = ("stop", "length", "abort")
 # `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
@@ -91,14 +93,14 @@ class Adapter:
         return next(iter(self.weights.values()))[2]
 
 
-def stack_adapters(adapters: tuple[Adapter, ...], switches: dict[str, torch.nn.Module],
-                   together: bool) -> list[tuple[tuple[Adapter, ...], dict]]:
-    """`adapters` in stacks (those of one rank `together`, else each alone) and, for each
-    stack, by module, their A^T and B^T stacked, [n, in, r] and [n, r, out]
-    (`lora.with_row_adapters`), zeros where an adapter lacks the module."""
+def stack_adapters(adapters: tuple[Adapter, ...], switches: dict[str, torch.nn.Module]
+                   ) -> list[tuple[tuple[Adapter, ...], dict]]:
+    """`adapters` in stacks, one per LoRA rank, and for each stack, by module, their A^T and
+    B^T stacked, [n, in, r] and [n, r, out] (`lora.with_row_adapters`), zeros where an
+    adapter lacks the module."""
     stacks: dict[int, list[Adapter]] = {}
     for adapter in adapters:
-        stacks.setdefault(adapter.rank if together else id(adapter), []).append(adapter)
+        stacks.setdefault(adapter.rank, []).append(adapter)
     stacked = []
     for members in stacks.values():
         rank, weights = members[0].rank, {}
@@ -111,6 +113,44 @@ def stack_adapters(adapters: tuple[Adapter, ...], switches: dict[str, torch.nn.M
                              torch.stack([b for _, b in pairs]).transpose(1, 2))
         stacked.append((tuple(members), weights))
     return stacked
+
+
+PROBED: dict[tuple, bool] = {}  # `rows_invariant` by shapes, dtype and thread count
+
+
+def rows_invariant(model, rank: int = 16) -> bool:
+    """Whether here (this CPU, its library, the current thread count) each row of the model's
+    products has the same bits at every count of SPAN_PROBE rows, and each item of a batched
+    LoRA product at each count is what its two products alone give: what `Engine.span` and
+    `Engine.stacked` rest on. A probe of the model's own weights on random rows, once per
+    process for each set of shapes."""
+    linears = {m.weight.shape: m.weight for m in model.modules()
+               if isinstance(m, torch.nn.Linear)}
+    key = (tuple(sorted(linears)), next(iter(linears.values())).dtype, rank,
+           torch.get_num_threads())
+    if key not in PROBED:
+        PROBED[key] = probe_rows(linears, rank)
+    return PROBED[key]
+
+
+def probe_rows(linears: dict, rank: int) -> bool:
+    """`rows_invariant` for the products of these weights (by shape) and LoRAs of `rank`."""
+    generator = torch.Generator().manual_seed(0)
+    least = SPAN_PROBE[0]
+    for (outputs, inputs), weight in linears.items():
+        x = torch.randn(max(SPAN_PROBE), inputs, generator=generator)
+        first = torch.nn.functional.linear(x[:least].to(weight), weight)
+        a = torch.randn(2, rank, inputs, generator=generator) / inputs ** 0.5
+        b = torch.randn(2, outputs, rank, generator=generator) / rank ** 0.5
+        for count in SPAN_PROBE:
+            rows = torch.nn.functional.linear(x[:count].to(weight), weight)[:least]
+            items = torch.bmm(torch.bmm(x[:count].expand(2, count, inputs), a.transpose(1, 2)),
+                              b.transpose(1, 2))
+            if not torch.equal(rows, first) or not all(torch.equal(items[k], (
+                    torch.nn.functional.linear(torch.nn.functional.linear(x[:count], a[k]),
+                                               b[k]))) for k in range(2)):
+                return False
+    return True
 
 
 @dataclass
@@ -250,12 +290,13 @@ class Engine(threading.Thread):
     below 11 to 16 rows the bits differ from above), never on the row's place or the other
     rows' values. So the slots are decoded in groups of `rows` consecutive slots, one forward
     of exactly `rows` rows per group that holds a decoding sequence, whichever adapters they
-    use; or, where a row's bits are the same at every count from 16 up (`span`: the CPU with
-    one thread, SPAN_ROWS), in one forward over the slots up to the highest in use, which
-    computes each weight matrix once a step however many groups run. The attended length is
-    the forward's longest row rounded up to 64 (with the positions beyond each row masked,
-    the result does not depend on that length, measured); a prompt is prefilled alone (the
-    samples of a group, which share it, reuse one prefill: the same forward, same bits);
+    use; or, where a row's bits are the same at every count from 16 up (`span`: probed on
+    the CPU with one thread, `rows_invariant`), in one forward over the slots up to the
+    highest in use, which computes each weight matrix once a step however many groups run.
+    The attended length is the forward's longest row rounded up to 64 (with the positions
+    beyond each row masked, the result does not depend on that length, measured); a prompt is
+    prefilled alone (the samples of a group, which share it, reuse one prefill: the same
+    forward, same bits);
     nothing is ever recomputed (no preemption: a request waits for a free slot). When
     sequences end and nobody waits, the sequences of the highest slots move, KV and all, into
     lower holes (`compact`): since a row's bits depend neither on its place nor on the window
@@ -294,18 +335,28 @@ class Engine(threading.Thread):
         self.moves = 0  # sequences moved to a lower slot by `compact`
         # adapter ids -> (adapters, `stack_adapters` of them), the latest combinations
         self.stacks: OrderedDict[tuple, tuple] = OrderedDict()
+        self.invariant: bool | None = None  # `rows_invariant`, probed once on one CPU thread
         self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
 
     @property
     def stacked(self) -> bool:
         """Whether a decode forward applies its rows' adapters of one rank in one batched
-        product (else each adapter in its own): on the CPU with one torch thread."""
-        return self.device.type == "cpu" and torch.get_num_threads() == 1
+        product (else each adapter on its own): on the CPU with one torch thread, where
+        `rows_invariant` holds (probed at the first call there, and logged)."""
+        if self.device.type != "cpu" or torch.get_num_threads() != 1:
+            return False
+        if self.invariant is None:
+            self.invariant = rows_invariant(self.model)
+            mode = "spanning forwards" if self.rows >= SPAN_ROWS else f"by groups of {self.rows}"
+            log.info("decode: %s", f"{mode}, adapters stacked" if self.invariant else
+                     f"by groups of {self.rows}: this CPU's products change bits with the rows")
+        return self.invariant
 
     @property
     def span(self) -> bool:
         """Whether a decode forward spans the slots up to the highest in use (else one forward
-        per group of `rows` slots in use): `stacked`, and groups of SPAN_ROWS rows or more."""
+        per group of `rows` slots in use): `stacked` (so `rows_invariant` holds here), and
+        groups of SPAN_ROWS rows or more."""
         return self.stacked and self.rows >= SPAN_ROWS
 
     def generate(self, seqs: list[Sequence]) -> None:
@@ -569,7 +620,6 @@ class Engine(threading.Thread):
         self.work["decode_rows"] += len(members)
         self.work["decode_slots"] += count
         self.work["decode_adapters"] += len(by_adapter)
-        self.adapt_rows(count, list(by_adapter.values()))
         # the longest row rounded up to 64 (its bits measured independent of that length on
         # the CPU; on a GPU, where that is unmeasured, the whole slot: one shape always)
         length = min(self.max_len, -(-(int(positions.max()) + 1) // 64) * 64) if (
@@ -585,6 +635,7 @@ class Engine(threading.Thread):
         mask = (torch.arange(length, device=self.device)[None]
                 <= positions[:, None])[:, None, None, :]
         try:
+            self.adapt_rows(count, len(members), list(by_adapter.values()))
             output = self.model(input_ids=ids, position_ids=positions[:, None],
                                 attention_mask=mask_for(self.model, mask), use_cache=True,
                                 # older 5.x read it
@@ -596,23 +647,38 @@ class Engine(threading.Thread):
         logits = output.logits[:, -1]
         return {seq.slot: logits[seq.slot - first] for seq in members}
 
-    def adapt_rows(self, count: int, by_adapter: list[tuple[Adapter, list[int]]]) -> None:
-        """Set every switch's per-row adapters for one decode forward of `count` rows: for
-        each stack of adapters (`stack_adapters`; kept for the last few combinations, as a
-        combination changes only when sequences come and go), its weights, the row of the
-        stacked results each row keeps and the row's scale (0 for a row without an adapter
-        in the stack, a dummy row included)."""
+    def adapt_rows(self, count: int, decoding: int,
+                   by_adapter: list[tuple[Adapter, list[int]]]) -> None:
+        """Set every switch's per-row adapters for one decode forward of `count` rows, of
+        which `decoding` hold a sequence: each entry a single adapter's (A, B, scale), or
+        with `stacked` a stack of one rank's adapters (`stack_adapters`, kept for the last
+        few combinations: one changes only when sequences come and go) with the row of the
+        stacked results each row keeps and its scale; and the rows that keep the entry's
+        result (None: all, when it serves every decoding row; the others are dummies)."""
         for switch in self.switches.values():
             switch.by_row = []
         if not by_adapter:
             return
-        together = self.stacked
+
+        def keep(rows: list[int]) -> torch.Tensor | None:
+            if len(rows) == decoding:
+                return None
+            mask = torch.zeros(count, 1, 1, dtype=torch.bool)
+            mask[rows] = True
+            return mask.to(self.device)
+
+        if not self.stacked:
+            for adapter, rows in by_adapter:
+                kept = keep(rows)
+                for name, switch in self.switches.items():
+                    if name in adapter.weights:
+                        switch.by_row.append((adapter.weights[name], kept))
+            return
         adapters = tuple(sorted((adapter for adapter, _ in by_adapter), key=id))
-        key = (together, *map(id, adapters))
+        key = tuple(map(id, adapters))
         hit = self.stacks.get(key)
         if hit is None or any(a is not b for a, b in zip(hit[0], adapters)):  # an id reused
-            hit = self.stacks[key] = (adapters, stack_adapters(adapters, self.switches,
-                                                               together))
+            hit = self.stacks[key] = (adapters, stack_adapters(adapters, self.switches))
             while len(self.stacks) > STACKED_COMBINATIONS:
                 self.stacks.popitem(last=False)
         self.stacks.move_to_end(key)
@@ -625,9 +691,10 @@ class Engine(threading.Thread):
                 place[rows_of[id(adapter)]] = index
                 scale[rows_of[id(adapter)]] = adapter.scale
             pick = (place * count + every_row).to(self.device)
-            scale = scale.to(self.device)
+            scale, kept = scale.to(self.device), keep(
+                [row for adapter in members for row in rows_of[id(adapter)]])
             for name, switch in self.switches.items():
-                switch.by_row.append((*weights[name], pick, scale))
+                switch.by_row.append(((*weights[name], pick, scale), kept))
 
     def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
         p = seq.params

@@ -57,13 +57,14 @@ def with_adapter(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torc
 def with_row_adapters(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                       pick: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`with_adapter` for a batch whose rows use different adapters, all in one batched
-    product: `a` [n, in, r] and `b` [n, r, out] stack n adapters' A^T and B^T; row i keeps
+    product: `a` [n, in, r] and `b` [n, r, out] stack n adapters' A^T and B^T; row i takes
     row `pick[i]` of the [n x rows, out] results (its adapter's place x rows + i), scaled by
-    `scale[i]` [rows, 1, 1], its alpha / r (0 for a row without an adapter: it keeps
-    `result`, up to the sign of an exact zero). Every adapter runs over all the rows, one
-    item of `bmm` each: two kernel calls whatever n is. On the CPU with one torch thread an
-    item is bitwise what `with_adapter`'s two products give (`tests/test_lora.py`); with
-    more threads it is not, and may depend on n."""
+    `scale[i]` [rows, 1, 1], its alpha / r. A row with none of these adapters must keep
+    `result` through the caller's mask: its scale 0 would meet another adapter's product,
+    and 0 x Inf is NaN. Every adapter runs over all the rows, one item of `bmm` each: two
+    kernel calls whatever n is. On the CPU with one torch thread an item is bitwise what
+    `with_adapter`'s two products give (`tests/test_lora.py`, `engine.rows_invariant`); with
+    more threads it may not be, and may depend on n."""
     rows = x.shape[0]
     inputs = x.float().reshape(1, rows, -1).expand(a.shape[0], rows, -1)
     delta = torch.bmm(torch.bmm(inputs, a), b).flatten(0, 1).index_select(0, pick)

@@ -6,7 +6,8 @@ decoding is `generator=None`. A response that reaches `max_new_tokens` without E
 with finish reason "cut". Two samplers:
 - `sample_many`, what the stages use: many prompts at once through the embedded server's
   engine (`engine.Engine`, run in the caller's thread): KV slots allocated once, each
-  prompt prefilled alone, decode steps of a fixed number of rows. A prompt's tokens and
+  prompt prefilled alone, decode steps of a fixed number of rows (or, on one thread where
+  the row count changes no bits, spanning every slot in use). A prompt's tokens and
   log-probs are bitwise the same whatever is sampled beside it, so a batch is only a speed-up
   (one weight read per step serves every row; a lone decode is bound by that read here).
 - `sample`, one sequence against transformers' growing cache; kept for the benchmarks.
@@ -76,7 +77,8 @@ def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: in
                 temperature: float = 1.0, rows: int = 16, slots: int = 64,
                 prefills: OrderedDict | None = None) -> list[Sample]:
     """Each prompt's `Sample`, `slots` sequences at a time in decode groups of `rows` rows
-    (a row's bits depend on `rows`, never on the other rows: keep it fixed per use). Greedy
+    (a row's bits depend on `rows`, never on the other rows: keep it fixed per use; on one
+    thread with 16 rows or more a forward spans the groups in use, `Engine.span`). Greedy
     when `generators` is None; else prompt i draws with `generators[i]`. `max_len` bounds
     prompt + response (the length of a KV slot). `prefills`: a store kept between calls on
     the same weights (an empty OrderedDict at first): every prompt's prefill stays in it, and

@@ -124,18 +124,22 @@ def _refuse_constant(name: str):
 class Switch(nn.Module):
     """A base linear layer plus adapters: one for the whole input (`active`, while one prompt
     is prefilled, `lora.with_adapter`), or one per batch row (`by_row`, while every slot
-    decodes, `lora.with_row_adapters`): one batched product per stack of the rows' adapters
-    (`engine.stack_adapters`), each adapter over all rows, each row keeping its own."""
+    decodes): each entry one adapter (`lora.with_adapter`) or a stack of them
+    (`lora.with_row_adapters`, `engine.stack_adapters`) over all rows, a fixed shape, whose
+    result only its own rows keep."""
 
     def __init__(self, base: nn.Linear):
         super().__init__()
         self.base, self.active = base, None  # active: (A, B, scale) or None
-        self.by_row: list = []  # [(A^T stack, B^T stack, pick, scale)], see with_row_adapters
+        # [(weights: (A, B, scale) or a stack, rows: bool [slots, 1, 1] or None: all)]
+        self.by_row: list = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base(x)
-        for stacks in self.by_row:
-            result = with_row_adapters(result, x, *stacks)
+        for weights, rows in self.by_row:
+            adapted = (with_adapter(result, x, *weights) if len(weights) == 3 else
+                       with_row_adapters(result, x, *weights))
+            result = adapted if rows is None else torch.where(rows, adapted, result)
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
