@@ -61,6 +61,17 @@ def in_tmp(tmp_path: Path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (the embedded server's default), restored after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The CI-size embedded base (2 layers, width 64), built once per test session."""

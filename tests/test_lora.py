@@ -108,20 +108,12 @@ def test_peft_export_loads_in_peft_with_same_logits(tmp_path):
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])
 @pytest.mark.parametrize("shape", [(64, 128), (256, 768), (768, 256), (896, 4864)])
-def test_row_adapters_give_each_row_what_its_adapter_gives_it_bitwise(rows, shape):
+def test_row_adapters_give_each_row_what_its_adapter_gives_it_bitwise(rows, shape, one_thread):
     """The generation server's batched branch (`with_row_adapters`: every adapter over all
     rows in one `bmm`, each row keeping its own) against `with_adapter` row by row, with one
     torch thread (where the engine stacks adapters): the same bits, at the CI, default and
     Qwen2.5-0.5B shapes, with scales that are not powers of two (rsLoRA's alpha / sqrt r)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        check_row_adapters(rows, *shape)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def check_row_adapters(rows: int, inputs: int, outputs: int) -> None:
+    inputs, outputs = shape
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 1, inputs, generator=generator)
     result = torch.randn(rows, 1, outputs, generator=generator)

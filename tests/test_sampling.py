@@ -111,14 +111,6 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
     assert 0 < work["decode_seconds"] + work["prefill_seconds"] <= work["busy_seconds"]
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_thread):
     """Groups of 16 rows on the CPU with one thread: where a row's bits are the same at every
     row count from 16 up (`rows_invariant`, true on this project's machines), a decode

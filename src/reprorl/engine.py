@@ -333,7 +333,7 @@ class Engine(threading.Thread):
         self.successes = dict.fromkeys(FINISH_REASONS, 0)
         self.calls: list[tuple] = []  # (work, future) to run between two steps
         self.moves = 0  # sequences moved to a lower slot by `compact`
-        # adapter ids -> (adapters, `stack_adapters` of them), the latest combinations
+        # sorted adapter ids -> `stack_adapters` of them, the latest combinations
         self.stacks: OrderedDict[tuple, tuple] = OrderedDict()
         self.invariant: bool | None = None  # `rows_invariant`, probed once on one CPU thread
         self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
@@ -674,17 +674,16 @@ class Engine(threading.Thread):
                     if name in adapter.weights:
                         switch.by_row.append((adapter.weights[name], kept))
             return
-        adapters = tuple(sorted((adapter for adapter, _ in by_adapter), key=id))
-        key = tuple(map(id, adapters))
-        hit = self.stacks.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit[0], adapters)):  # an id reused
-            hit = self.stacks[key] = (adapters, stack_adapters(adapters, self.switches))
+        # an entry holds its adapters (stack_adapters' members), so no id in a key is reused
+        key = tuple(sorted(id(adapter) for adapter, _ in by_adapter))
+        if key not in self.stacks:
+            self.stacks[key] = stack_adapters(tuple(a for a, _ in by_adapter), self.switches)
             while len(self.stacks) > STACKED_COMBINATIONS:
                 self.stacks.popitem(last=False)
         self.stacks.move_to_end(key)
         rows_of = {id(adapter): rows for adapter, rows in by_adapter}
         every_row = torch.arange(count)
-        for members, weights in hit[1]:
+        for members, weights in self.stacks[key]:
             place = torch.zeros(count, dtype=torch.long)
             scale = torch.zeros(count, 1, 1)
             for index, adapter in enumerate(members):
