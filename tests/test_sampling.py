@@ -3,6 +3,7 @@ prompt does not depend on what is sampled beside it, bit for bit, greedy and see
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -180,6 +181,95 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
             expected = with_adapter(base(x), x, *good.weights["proj"])
             assert torch.equal(out[0], expected[0]) and torch.isinf(out[1]).any()
             assert torch.equal(out[2], base(x)[2])
+
+
+SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
+            {"temperature": 1.3, "top_p": 0.8}, {"temperature": 0.9, "min_p": 0.05},
+            {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.01}]
+
+
+@pytest.mark.parametrize("settings", SETTINGS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
+    """The engine draws a decode step's rows that share their settings in one block
+    (`Engine.draw`): each row's log-probs, token, top log-probs and rank are bitwise what the
+    row alone gives, and `race` draws the token `torch.multinomial` draws with the same
+    generator state. Rows with ties, -inf and a wide range of scales."""
+    from reprorl.engine import Engine, Params, Sequence, processed_logprobs, race
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(11)
+        logits = torch.randn(24, 1024, generator=generator) * torch.logspace(-1, 1.5, 24)[:, None]
+        logits[3, :40] = logits[3].max()  # a tie across the top tokens
+        logits[5, 100:] = -math.inf
+        params = Params(max_tokens=8, logprobs=8, sampling_mask=True, **settings)
+        seqs = [Sequence([1, 2], params, None, torch.Generator().manual_seed(row))
+                for row in range(24)]
+        together = Engine.draw(seqs, logits)
+        for row in range(24):
+            scores = processed_logprobs(logits[row], params)
+            alone = Engine.draw([Sequence([1, 2], params, None, torch.Generator().manual_seed(
+                row))], logits[row:row + 1])
+            assert together[row] == alone[0]
+            token, logprob, (ids, values), rank, mask = together[row]
+            if params.temperature > 0:
+                g = torch.Generator().manual_seed(row)
+                assert token == int(torch.multinomial(scores.exp(), 1, generator=g))
+                assert token == int(race(scores.exp()[None],
+                                         [torch.Generator().manual_seed(row)])[0])
+            else:
+                assert token == int(scores.argmax())
+            assert logprob == float(scores[token]) and rank == 1 + int((scores > logprob).sum())
+            top = scores.topk(8)
+            assert (ids, values) == (top.indices.tolist(), top.values.tolist())
+            assert mask == torch.isfinite(scores).nonzero().flatten().tolist()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
+    """`Engine.sample` over rows of every setting at once, penalised rows among them (which
+    go alone) and rows with and without candidate sets: each sequence gets what it gets
+    alone, and each row reads its own settings."""
+    from reprorl.engine import Engine, Params, Sequence
+
+    engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
+    mixed = [Params(max_tokens=8, logprobs=3, **s) for s in SETTINGS] + [
+        Params(max_tokens=8, temperature=1.0, repetition_penalty=1.3, logprobs=3),
+        Params(max_tokens=8, temperature=1.0, logprobs=3, sampling_mask=True),
+        Params(max_tokens=8, temperature=1.0)]
+    order = [1, 6, 7, 0, 2, 8, 3, 1, 4, 5, 6, 1]  # penalised rows at 1 and 10
+    logits = torch.randn(len(order), 64, generator=torch.Generator().manual_seed(5)) * 4
+
+    def seq(i: int) -> Sequence:
+        return Sequence(list(range(4, 4 + i)), mixed[order[i]], None,
+                        torch.Generator().manual_seed(i))
+
+    together = [seq(i) for i in range(len(order))]
+    engine.sample(together, logits)
+    for i, one in enumerate(together):
+        alone = seq(i)
+        engine.sample([alone], logits[i:i + 1])
+        assert (one.generated, one.logprobs, one.ranks, one.masks) == (
+            alone.generated, alone.logprobs, alone.ranks, alone.masks)
+        assert bool(one.masks) == mixed[order[i]].sampling_mask
+        assert bool(one.logprobs) == (mixed[order[i]].logprobs is not None)
+
+
+def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
+    from reprorl.engine import Engine, Params, Sequence
+
+    engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
+    params = Params(max_tokens=8, temperature=1.0, logprobs=0)
+    seqs = [Sequence([1, 2], params, None, torch.Generator().manual_seed(i)) for i in range(3)]
+    logits = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = math.nan
+    engine.sample(seqs, logits)
+    assert [len(seq.generated) for seq in seqs] == [1, 0, 1]
+    assert seqs[1].error.status == 500 and "NaN" in seqs[1].error.message
+    assert seqs[0].error is None and seqs[2].error is None
 
 
 def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(model):

@@ -11,11 +11,12 @@ bitwise the same whatever else runs beside it. Log-probs are vLLM's
 the penalised log-softmax); each sequence samples with its own generator. `grpo/server.py` runs
 the engine in a background thread behind vLLM's HTTP API; `sampling.sample_many` drives it in
 the caller's thread (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per
-sequence, not paged blocks; no preemption (a sequence waits for a free slot); sampling is
-`torch.multinomial`; prefix caching reuses whole prompts only (the last 16 prefills, or all of
-a store the caller keeps), not shared blocks of them. Work that must not overlap a forward (a
-weight reload) runs in the engine thread between two steps (`between_steps`); sequences already
-running go on under the new weights with the KV they have, as in vLLM.
+sequence, not paged blocks; no preemption (a sequence waits for a free slot); each sequence
+draws from its own torch generator (`race`); prefix caching reuses whole prompts only (the
+last 16 prefills, or all of a store the caller keeps), not shared blocks of them. Work that
+must not overlap a forward (a weight reload) runs in the engine thread between two steps
+(`between_steps`); sequences already running go on under the new weights with the KV they
+have, as in vLLM.
 """
 
 from __future__ import annotations
@@ -179,8 +180,10 @@ def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -
 
 def processed_logprobs(logits: torch.Tensor, p: Params,
                        seen: list[int] | None = None) -> torch.Tensor:
-    """Log-probs of the distribution actually sampled from (filtered tokens get -inf); `seen`:
-    the tokens so far (prompt and output), which the repetition penalty applies to."""
+    """Log-probs of the distribution actually sampled from (filtered tokens get -inf), over the
+    last dimension of `logits` ([vocab], or [rows, vocab] that share `p`: every operation works
+    row by row, so a row's bits are those it gets alone); `seen`: the tokens so far (prompt
+    and output) of a single row, which the repetition penalty applies to."""
     logits = logits.float()
     if p.repetition_penalty != 1 and seen:
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -191,9 +194,9 @@ def processed_logprobs(logits: torch.Tensor, p: Params,
     logits = logits / p.temperature
     if p.min_p > 0:
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), -math.inf)
-    if 0 < p.top_k < logits.numel():
-        logits = logits.masked_fill(logits < logits.topk(p.top_k).values[-1], -math.inf)
+        logits = logits.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if 0 < p.top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(p.top_k).values[..., -1:], -math.inf)
     if p.top_p < 1:
         ordered, order = logits.sort()  # ascending, as vLLM's apply_top_k_top_p
         probs = ordered.softmax(-1)
@@ -201,9 +204,21 @@ def processed_logprobs(logits: torch.Tensor, p: Params,
         cumulative = probs.cumsum(-1) if probs.device.type == "cpu" else (
             probs.cpu().cumsum(-1).to(probs.device))
         drop = cumulative <= 1 - p.top_p
-        drop[-1] = False  # keep at least one token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(0, order, drop), -math.inf)
+        drop[..., -1] = False  # keep at least one token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), -math.inf)
     return logits.log_softmax(-1)
+
+
+def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], row i drawn with `generators[i]`: the
+    argmax of probs / q, q ~ Exp(1) (the exponential race: how vLLM and `torch.multinomial`
+    draw one sample, so the token `torch.multinomial(row, 1, generator=g)` gives, checked in
+    `test_sampling`). The draws stay per row, each from its own generator; the rest is one
+    operation over the rows."""
+    q = torch.empty_like(probs)
+    for row, generator in zip(q, generators):
+        row.exponential_(generator=generator)
+    return (probs / q).argmax(-1)
 
 
 @dataclass(eq=False)
@@ -480,9 +495,9 @@ class Engine(threading.Thread):
                 log.exception("a decode step failed; decoding its %d rows alone", len(decoding))
                 rows = {seq.slot: self.guarded(seq, lambda s=seq: self.decode([s])[s.slot])
                         for seq in decoding}
-            for seq in decoding:
-                if rows.get(seq.slot) is not None:
-                    self.guarded(seq, self.sample, seq, rows[seq.slot])
+            drawing = [seq for seq in decoding if rows.get(seq.slot) is not None]
+            if drawing:
+                self.sample(drawing, torch.stack([rows[seq.slot] for seq in drawing]))
         decoded = time.perf_counter()
         for seq in newcomers:
             self.guarded(seq, self.prefill, seq)
@@ -533,9 +548,13 @@ class Engine(threading.Thread):
         try:
             return work(*args)
         except Exception as error:
-            log.exception("a request failed while generating")
-            seq.error = ApiError(500, f"generation failed: {type(error).__name__}: {error}")
+            self.fail(seq, error)
             return None
+
+    @staticmethod
+    def fail(seq: Sequence, error: Exception) -> None:
+        log.error("a request failed while generating", exc_info=error)
+        seq.error = ApiError(500, f"generation failed: {type(error).__name__}: {error}")
 
     def prefill(self, seq: Sequence) -> None:
         """The prompt alone (its own shape, whatever else runs), its KV copied into its slot;
@@ -562,7 +581,7 @@ class Engine(threading.Thread):
         if self.cache is None:  # at the first prefill: its shapes and dtype
             self.cache = self.allocate(kv)
         self.fill_slot(seq.slot, kv)
-        self.sample(seq, logits)
+        self.sample([seq], logits[None])
 
     def fill_slot(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one sequence's per-layer (keys, values), [kv heads, its length, head dim],
@@ -695,22 +714,70 @@ class Engine(threading.Thread):
             for name, switch in self.switches.items():
                 switch.by_row.append(((*weights[name], pick, scale), kept))
 
-    def sample(self, seq: Sequence, logits: torch.Tensor) -> None:
-        p = seq.params
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """The next token of each of `seqs` from its row of `logits` [len(seqs), vocab]. The
+        rows that share their sampling settings go through `processed_logprobs` and `race`
+        together (row by row operations: each row's bits are those it gets alone; one call
+        instead of one per row), each row drawing with its own generator; a row with a
+        repetition penalty, which reads its own tokens, goes alone. An error fails the
+        sequences of the rows drawn with it, nobody else; a row whose log-probs hold NaN
+        (broken weights; filtered tokens are -inf) fails its own sequence."""
+        together: dict[tuple, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            key = (p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs, p.sampling_mask,
+                   i if p.repetition_penalty != 1 else -1)  # a penalised row: its own key
+            together.setdefault(key, []).append(i)
+        for rows in together.values():
+            members = [seqs[i] for i in rows]
+            try:
+                draws = self.draw(members, logits[rows])
+            except Exception as error:
+                for seq in members:
+                    self.fail(seq, error)
+                continue
+            for seq, draw in zip(members, draws):
+                if draw is None:
+                    self.fail(seq, FloatingPointError("the model's log-probs hold NaN"))
+                else:
+                    self.append(seq, *draw)
+
+    @staticmethod
+    def draw(seqs: list[Sequence], logits: torch.Tensor) -> list[tuple | None]:
+        """`sample`'s work for rows that share their settings (`seqs[0].params`): for each row
+        (token, its log-prob, top log-probs, rank, candidate ids), or None where its log-probs
+        hold NaN."""
+        p = seqs[0].params
         scores = processed_logprobs(logits, p,
-                                    seq.tokens if p.repetition_penalty != 1 else None)
-        if torch.isnan(scores).any():  # filtered tokens are -inf; NaN means broken weights
-            raise FloatingPointError("the model's log-probs hold NaN")
+                                    seqs[0].tokens if p.repetition_penalty != 1 else None)
+        broken = torch.isnan(scores).any(-1).tolist()
         if p.temperature < GREEDY_EPS:
-            token = int(scores.argmax())
+            tokens = scores.argmax(-1)
         else:
-            token = int(torch.multinomial(scores.exp(), 1, generator=seq.generator))
+            tokens = race(scores.exp(), [seq.generator for seq in seqs])
+        chosen = scores.gather(-1, tokens[:, None])
+        top = [None] * len(seqs)
+        ranks = [None] * len(seqs)
         if p.logprobs is not None:
-            top = scores.topk(p.logprobs)
-            seq.logprobs.append((float(scores[token]), top.indices.tolist(), top.values.tolist()))
-            seq.ranks.append(1 + int((scores > scores[token]).sum()))
-        if p.sampling_mask:  # what survived temperature, min-p, top-k and top-p
-            seq.masks.append(torch.isfinite(scores).nonzero().flatten().tolist())
+            best = scores.topk(p.logprobs)
+            top = list(zip(best.indices.tolist(), best.values.tolist()))
+            ranks = (1 + (scores > chosen).sum(-1)).tolist()
+        # what survived temperature, min-p, top-k and top-p
+        masks = ([torch.isfinite(row).nonzero().flatten().tolist() for row in scores]
+                 if p.sampling_mask else [None] * len(seqs))
+        return [None if nan else (token, logprob, pair, rank, mask) for
+                nan, token, logprob, pair, rank, mask in
+                zip(broken, tokens.tolist(), chosen[:, 0].tolist(), top, ranks, masks)]
+
+    def append(self, seq: Sequence, token: int, logprob: float, top: tuple | None,
+               rank: int | None, mask: list[int] | None) -> None:
+        """A drawn token onto its sequence, which may end with it."""
+        p = seq.params
+        if p.logprobs is not None:
+            seq.logprobs.append((logprob, *top))
+            seq.ranks.append(rank)
+        if p.sampling_mask:
+            seq.masks.append(mask)
         seq.generated.append(token)
         self.counters["generation_tokens"] += 1
         if token == p.eos_id:

@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from . import devices
-from .engine import Engine, Params, Sequence
+from .engine import Engine, Params, Sequence, race
 from .errors import ReproError
 
 # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
@@ -45,7 +45,7 @@ def _draw(logits: torch.Tensor, generator: torch.Generator | None,
     if generator is None:
         token = int(scores.argmax())
     else:
-        token = int(torch.multinomial(scores.exp(), 1, generator=generator))
+        token = int(race(scores.exp()[None], [generator])[0])
     return token, float(scores[token])
 
 
