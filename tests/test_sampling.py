@@ -230,32 +230,32 @@ def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
 
 
 def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
-    """`Engine.sample` over rows of every setting at once, penalised rows among them (which
-    go alone) and rows with and without candidate sets: each sequence gets what it gets
-    alone, and each row reads its own settings."""
+    """`Engine.sample` over rows that each differ from temperature 1 with 3 log-probs in one
+    setting (so only the grouping keeps them apart), the row without log-probs first: each
+    sequence gets what it gets alone, and each row reads its own settings."""
     from reprorl.engine import Engine, Params, Sequence
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
-    mixed = [Params(max_tokens=8, logprobs=3, **s) for s in SETTINGS] + [
-        Params(max_tokens=8, temperature=1.0, repetition_penalty=1.3, logprobs=3),
-        Params(max_tokens=8, temperature=1.0, logprobs=3, sampling_mask=True),
-        Params(max_tokens=8, temperature=1.0)]
-    order = [1, 6, 7, 0, 2, 8, 3, 1, 4, 5, 6, 1]  # penalised rows at 1 and 10
-    logits = torch.randn(len(order), 64, generator=torch.Generator().manual_seed(5)) * 4
+    base = {"max_tokens": 8, "temperature": 1.0, "logprobs": 3}
+    variants = [{"logprobs": None}, {}, {"temperature": 0.0}, {"temperature": 0.6},
+                {"top_k": 3}, {"top_p": 0.5}, {"min_p": 0.2}, {"sampling_mask": True},
+                {"repetition_penalty": 1.3}]
+    mixed = [Params(**{**base, **variant}) for variant in variants]
+    logits = torch.randn(4 * len(mixed), 64, generator=torch.Generator().manual_seed(5))
 
     def seq(i: int) -> Sequence:
-        return Sequence(list(range(4, 4 + i)), mixed[order[i]], None,
+        return Sequence(list(range(4, 12 + i)), mixed[i % len(mixed)], None,
                         torch.Generator().manual_seed(i))
 
-    together = [seq(i) for i in range(len(order))]
+    together = [seq(i) for i in range(len(logits))]
     engine.sample(together, logits)
     for i, one in enumerate(together):
         alone = seq(i)
         engine.sample([alone], logits[i:i + 1])
         assert (one.generated, one.logprobs, one.ranks, one.masks) == (
-            alone.generated, alone.logprobs, alone.ranks, alone.masks)
-        assert bool(one.masks) == mixed[order[i]].sampling_mask
-        assert bool(one.logprobs) == (mixed[order[i]].logprobs is not None)
+            alone.generated, alone.logprobs, alone.ranks, alone.masks), i
+        assert one.error is None and bool(one.masks) == one.params.sampling_mask
+        assert bool(one.logprobs) == (one.params.logprobs is not None)
 
 
 def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):

@@ -11,12 +11,12 @@ bitwise the same whatever else runs beside it. Log-probs are vLLM's
 the penalised log-softmax); each sequence samples with its own generator. `grpo/server.py` runs
 the engine in a background thread behind vLLM's HTTP API; `sampling.sample_many` drives it in
 the caller's thread (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per
-sequence, not paged blocks; no preemption (a sequence waits for a free slot); each sequence
-draws from its own torch generator (`race`); prefix caching reuses whole prompts only (the
-last 16 prefills, or all of a store the caller keeps), not shared blocks of them. Work that
-must not overlap a forward (a weight reload) runs in the engine thread between two steps
-(`between_steps`); sequences already running go on under the new weights with the KV they
-have, as in vLLM.
+sequence, not paged blocks; no preemption (a sequence waits for a free slot); other kernels,
+so other log-prob bits and seeded tokens that may differ (the draw itself, `race`, is
+vLLM's); prefix caching reuses whole prompts only (the last 16 prefills, or all of a store
+the caller keeps), not shared blocks of them. Work that must not overlap a forward (a weight
+reload) runs in the engine thread between two steps (`between_steps`); sequences already
+running go on under the new weights with the KV they have, as in vLLM.
 """
 
 from __future__ import annotations
@@ -182,8 +182,9 @@ def processed_logprobs(logits: torch.Tensor, p: Params,
                        seen: list[int] | None = None) -> torch.Tensor:
     """Log-probs of the distribution actually sampled from (filtered tokens get -inf), over the
     last dimension of `logits` ([vocab], or [rows, vocab] that share `p`: every operation works
-    row by row, so a row's bits are those it gets alone); `seen`: the tokens so far (prompt
-    and output) of a single row, which the repetition penalty applies to."""
+    row by row, so on the CPU a row's bits are those it gets alone, `Engine.sample`); `seen`:
+    the tokens so far (prompt and output) of a single row, which the repetition penalty
+    applies to."""
     logits = logits.float()
     if p.repetition_penalty != 1 and seen:
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -216,7 +217,7 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     `test_sampling`). The draws stay per row, each from its own generator; the rest is one
     operation over the rows."""
     q = torch.empty_like(probs)
-    for row, generator in zip(q, generators):
+    for row, generator in zip(q, generators, strict=True):
         row.exponential_(generator=generator)
     return (probs / q).argmax(-1)
 
@@ -722,11 +723,14 @@ class Engine(threading.Thread):
         repetition penalty, which reads its own tokens, goes alone. An error fails the
         sequences of the rows drawn with it, nobody else; a row whose log-probs hold NaN
         (broken weights; filtered tokens are -inf) fails its own sequence."""
+        # off the CPU, a softmax row's sum may follow its memory alignment: a block's rows
+        # start 16-byte aligned only when the vocabulary is a multiple of 4 (Qwen's are)
+        alone = logits.device.type != "cpu" and logits.shape[-1] % 4 != 0
         together: dict[tuple, list[int]] = {}
         for i, seq in enumerate(seqs):
             p = seq.params
             key = (p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs, p.sampling_mask,
-                   i if p.repetition_penalty != 1 else -1)  # a penalised row: its own key
+                   i if alone or p.repetition_penalty != 1 else -1)  # -1: rows may share
             together.setdefault(key, []).append(i)
         for rows in together.values():
             members = [seqs[i] for i in rows]
@@ -740,7 +744,7 @@ class Engine(threading.Thread):
                 if draw is None:
                     self.fail(seq, FloatingPointError("the model's log-probs hold NaN"))
                 else:
-                    self.append(seq, *draw)
+                    self.guarded(seq, self.append, seq, *draw)
 
     @staticmethod
     def draw(seqs: list[Sequence], logits: torch.Tensor) -> list[tuple | None]:

@@ -42,6 +42,8 @@ def _draw(logits: torch.Tensor, generator: torch.Generator | None,
           temperature: float) -> tuple[int, float]:
     """The next token (argmax when greedy) and its log-prob under the sampled distribution."""
     scores = (logits.float() / temperature).log_softmax(-1)
+    if torch.isnan(scores).any():  # torch.multinomial's own check, which `race` lacks
+        raise FloatingPointError("the model's log-probs hold NaN")
     if generator is None:
         token = int(scores.argmax())
     else:

@@ -26,8 +26,8 @@ loading more than `--max-loras` adapters is refused instead of LRU-swapped, and 
 cards carry `max_model_len` too; `reload_weights` checks every tensor against the model (names,
 shapes, finite values, every weight given) and answers a wrong directory with 400 or 404, where
 vLLM answers 500; a request with `seed: null` draws its seed from the server's
-`--seed` stream; tokens are drawn from torch generators (`engine.race`), so seeded tokens
-differ from vLLM's.
+`--seed` stream; seeded tokens may differ from vLLM's (its kernels give other log-prob bits;
+the draw itself, `engine.race`, is the exponential race vLLM runs).
 
 Hardening (vLLM's behaviour where it has one): `--api-key` / `VLLM_API_KEY` requires a Bearer
 token on `/v1/*` (401 `{"error": "Unauthorized"}`, as vLLM). Additions of ours: `--lora-root`
