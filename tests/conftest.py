@@ -62,14 +62,20 @@ def in_tmp(tmp_path: Path, monkeypatch) -> Path:
 
 
 @pytest.fixture
-def one_thread():
-    """One torch thread for the test (the embedded server's default), restored after."""
+def threads(request):
+    """`request.param` torch threads for the test (parametrize it with indirect=True; 1 by
+    default, the embedded server's), restored after."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(getattr(request, "param", 1))
+    yield torch.get_num_threads()
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def one_thread(threads):
+    """One torch thread for the test (the embedded server's default), restored after."""
 
 
 @pytest.fixture(scope="session")

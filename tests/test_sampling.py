@@ -189,7 +189,7 @@ SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "to
 
 
 @pytest.mark.parametrize("settings", SETTINGS)
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
     """The engine draws a decode step's rows that share their settings in one block
     (`Engine.draw`): each row's log-probs, token, top log-probs and rank are bitwise what the
@@ -197,36 +197,33 @@ def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
     generator state. Rows with ties, -inf and a wide range of scales."""
     from reprorl.engine import Engine, Params, Sequence, processed_logprobs, race
 
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        generator = torch.Generator().manual_seed(11)
-        logits = torch.randn(24, 1024, generator=generator) * torch.logspace(-1, 1.5, 24)[:, None]
-        logits[3, :40] = logits[3].max()  # a tie across the top tokens
-        logits[5, 100:] = -math.inf
-        params = Params(max_tokens=8, logprobs=8, sampling_mask=True, **settings)
-        seqs = [Sequence([1, 2], params, None, torch.Generator().manual_seed(row))
-                for row in range(24)]
-        together = Engine.draw(seqs, logits)
-        for row in range(24):
-            scores = processed_logprobs(logits[row], params)
-            alone = Engine.draw([Sequence([1, 2], params, None, torch.Generator().manual_seed(
-                row))], logits[row:row + 1])
-            assert together[row] == alone[0]
-            token, logprob, (ids, values), rank, mask = together[row]
-            if params.temperature > 0:
-                g = torch.Generator().manual_seed(row)
-                assert token == int(torch.multinomial(scores.exp(), 1, generator=g))
-                assert token == int(race(scores.exp()[None],
-                                         [torch.Generator().manual_seed(row)])[0])
-            else:
-                assert token == int(scores.argmax())
-            assert logprob == float(scores[token]) and rank == 1 + int((scores > logprob).sum())
-            top = scores.topk(8)
-            assert (ids, values) == (top.indices.tolist(), top.values.tolist())
-            assert mask == torch.isfinite(scores).nonzero().flatten().tolist()
-    finally:
-        torch.set_num_threads(previous)
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(24, 1024, generator=generator) * torch.logspace(-1, 1.5, 24)[:, None]
+    logits[3, :40] = logits[3].max()  # a tie across the top tokens
+    logits[5, 100:] = -math.inf
+    params = Params(max_tokens=8, logprobs=8, sampling_mask=True, **settings)
+    seqs = [Sequence([1, 2], params, None, torch.Generator().manual_seed(row))
+            for row in range(24)]
+    together = Engine.draw(seqs, logits)
+    for row in range(24):
+        scores = processed_logprobs(logits[row], params)
+        alone = Engine.draw([Sequence([1, 2], params, None, torch.Generator().manual_seed(
+            row))], logits[row:row + 1])
+        assert together[row] == alone[0]
+        token, logprob, (ids, values), rank, mask = together[row]
+        if params.temperature > 0:
+            g = torch.Generator().manual_seed(row)
+            assert token == int(torch.multinomial(scores.exp(), 1, generator=g))
+            assert token == int(race(scores.exp()[None],
+                                     [torch.Generator().manual_seed(row)])[0])
+        else:
+            assert token == int(scores.argmax())
+        assert logprob == float(scores[token]) and rank == 1 + int((scores > logprob).sum())
+        top = scores.topk(8)
+        assert (ids, values) == (top.indices.tolist(), top.values.tolist())
+        assert mask == torch.isfinite(scores).nonzero().flatten().tolist()
+
+
 
 
 def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):

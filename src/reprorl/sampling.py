@@ -23,7 +23,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from . import devices
-from .engine import Engine, Params, Sequence, race
+from .engine import Engine, Params, Sequence
 from .errors import ReproError
 
 # transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
@@ -42,12 +42,10 @@ def _draw(logits: torch.Tensor, generator: torch.Generator | None,
           temperature: float) -> tuple[int, float]:
     """The next token (argmax when greedy) and its log-prob under the sampled distribution."""
     scores = (logits.float() / temperature).log_softmax(-1)
-    if torch.isnan(scores).any():  # torch.multinomial's own check, which `race` lacks
-        raise FloatingPointError("the model's log-probs hold NaN")
     if generator is None:
         token = int(scores.argmax())
     else:
-        token = int(race(scores.exp()[None], [generator])[0])
+        token = int(torch.multinomial(scores.exp(), 1, generator=generator))
     return token, float(scores[token])
 
 
