@@ -269,6 +269,58 @@ def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
     assert seqs[0].error is None and seqs[2].error is None
 
 
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_a_prompt_sharing_a_head_forwards_only_its_rest_with_the_same_bits(model, threads):
+    """Prompts that share a head with one prefilled before them (a system turn, an agent's
+    earlier turns): on one thread, where the bits allow it (`reuses_heads`), each forwards
+    only what follows the whole 32-token blocks of the longest head it shares, so long as
+    16 tokens or more remain and both prompts hold under 192; and draws the bits it draws
+    alone, where nothing is reused. With two threads each forwards whole."""
+    from reprorl.engine import Engine, Params, Sequence, heads_invariant, rows_invariant
+
+    rng = random.Random(23)
+    system = [rng.randrange(20, 64) for _ in range(40)]  # tails start below 20: a clean fork
+
+    def tail(first: int, length: int) -> list[int]:
+        return [first] + [rng.randrange(4, 64) for _ in range(length - 1)]
+
+    first = system + tail(4, 40)
+    long = first + tail(10, 130)
+    pool = [first,
+            system + tail(5, 30),  # shares 40 tokens: one block, 32
+            system + tail(6, 10),  # 50 tokens: 32, and 18 left
+            system[:30] + tail(7, 40),  # under one block
+            first + tail(8, 30),  # a later turn: 80 shared, two blocks
+            system + tail(9, 5),  # 45 tokens: a block would leave 13
+            long,  # 210 tokens: whole
+            long[:100] + tail(11, 30)]  # 100 shared with `long`, too long: 80 with `first`
+    reused = [0, 32, 32, 0, 64, 0, 0, 64]
+    alone = [sample_many(model, [p], 12, -1, MAX_LEN, generators([i]), rows=4)[0]
+             for i, p in enumerate(pool)]
+    params = Params(max_tokens=12, temperature=1.0, logprobs=0)
+    seqs = [Sequence(list(p), params, None, generator)
+            for p, generator in zip(pool, generators(range(len(pool))))]
+    engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
+    forwarded = []
+    forward = model.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "forward", lambda input_ids, **kw: forwarded.append(
+            input_ids.shape[1]) or forward(input_ids=input_ids, **kw))
+        engine.generate(seqs)
+    for seq, expected in zip(seqs, alone):
+        assert seq.generated == expected.response_ids
+        assert [lp for lp, _, _ in seq.logprobs] == expected.logprobs
+    if not engine.reuses_heads:
+        reused = [0] * len(pool)
+    assert engine.counters["prefix_cache_hits"] == engine.work["prefill_shared_tokens"] == sum(
+        reused)
+    assert forwarded[:len(pool)] == [len(p) - r for p, r in zip(pool, reused)]  # prefills
+    # required where the products' rows keep their bits, as on this project's machines: else
+    # a broken reuse would only switch itself off unseen
+    assert engine.reuses_heads == (threads == 1 and rows_invariant(model))
+    assert heads_invariant(model) or not rows_invariant(model), "a reused head moved bits"
+
+
 def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(model):
     """The curves' greedy and sampled passes over one set of prompts: the second call, given
     the first's store, prefills nothing and draws the bits it draws without the store."""

@@ -404,12 +404,14 @@ def test_requests_beyond_the_slots_wait_and_stop_cleanly(tiny_model, reference, 
 ], ids=["groups-of-2", "spanning", "groups-of-16-two-threads"])
 def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path, layout, filling):
     """A request's tokens, log-probs and top log-probs are bitwise the same alone and among
-    any others: random subsets of twelve target requests (prompt lengths 1-40, base model or
-    one of two adapters of ranks 4 and 8, greedy or sampled with top-k/top-p/min-p) plus
-    fillers, in random order with random delays. On 6 slots decoded in 3 groups of 2 rows,
-    some wait for a slot, and groups run with one or two members; on 32 slots in groups of
-    16 with one thread, a forward spans 16 to 32 rows and stacks the adapters of one rank;
-    with two threads, it decodes by groups and applies each adapter alone."""
+    any others: random subsets of twelve target requests (prompt lengths 1-88, most opening
+    with part of one of two shared heads, base model or one of two adapters of ranks 4 and
+    8, greedy or sampled with top-k/top-p/min-p) plus fillers, in random order with random
+    delays; so a prompt's prefill reuses whatever head a recent prompt left (one thread) or
+    none (two threads). On 6 slots decoded in 3 groups of 2 rows, some wait for a slot, and
+    groups run with one or two members; on 32 slots in groups of 16 with one thread, a
+    forward spans 16 to 32 rows and stacks the adapters of one rank; with two threads, it
+    decodes by groups and applies each adapter alone."""
     import json
     import random
 
@@ -417,8 +419,11 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path, lay
     rng = random.Random(20)
     vocab = len(tokenizer)
 
-    def request(index: int) -> dict:
-        body = {"prompt": [rng.randrange(5, vocab) for _ in range(rng.randint(1, 40))],
+    heads = [[rng.randrange(5, vocab) for _ in range(48)] for _ in range(2)]
+
+    def request(index: int) -> dict:  # most prompts open with part of a shared head
+        head = rng.choice([[], *heads])[:rng.randint(1, 48)]
+        body = {"prompt": head + [rng.randrange(5, vocab) for _ in range(rng.randint(1, 40))],
                 "max_tokens": rng.randint(1, 30), "seed": 1000 + index,
                 "temperature": rng.choice([0, 0.7, 1.0, 1.3]), "logprobs": rng.randint(0, 5),
                 "model": rng.choice(["base", "lora-a", "lora-b"]), "ignore_eos": True,
@@ -459,18 +464,23 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path, lay
                     assert answer["token_ids"] == alone[i]["token_ids"], (i, batch)
                     assert answer["logprobs"] == alone[i]["logprobs"], (i, batch)
                     compared += 1
-        work = {name: metrics(url)[f"reprorl:engine_decode_{name}_total"]
-                - before[f"reprorl:engine_decode_{name}_total"] for name in ("forwards", "slots")}
+        work = {name: metrics(url)[f"reprorl:engine_{name}_total"]
+                - before[f"reprorl:engine_{name}_total"]
+                for name in ("decode_forwards", "decode_slots", "prefill_shared_tokens")}
         rows = int(layout[layout.index("--decode-rows") + 1])
         logged = (tmp_path / "server.log").read_text()
         if rows >= 16 and "--threads" not in layout:  # one thread: the engine probed the CPU
             assert ("decode: spanning" in logged) != ("decode: by groups" in logged)
+        forwards, slots = work["decode_forwards"], work["decode_slots"]
         if "decode: spanning" in logged:  # 16 rows at least, more when over 16 sequences ran
-            assert 16 * work["forwards"] < work["slots"] < 32 * work["forwards"]
+            assert 16 * forwards < slots < 32 * forwards
         else:  # one forward per group in use
-            assert work["slots"] == rows * work["forwards"]
+            assert slots == rows * forwards
+        # heads reused on one thread, where the products' rows keep their bits (here)
+        assert (work["prefill_shared_tokens"] > 0) == ("--threads" not in layout)
         print(json.dumps({"invariance_mixes": mixes, "target_comparisons": compared,
-                          "rows_per_decode_forward": work["slots"] / work["forwards"]}))
+                          "rows_per_decode_forward": slots / forwards,
+                          "prefill_shared_tokens": work["prefill_shared_tokens"]}))
 
 
 def poisoned_adapters(tiny_model, root):

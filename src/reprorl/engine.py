@@ -4,19 +4,21 @@ Continuous batching over preallocated KV slots (one per running sequence, from o
 whole groups of `rows` slots): each step admits waiting sequences FIFO into the lowest free
 slots, prefills each alone, and decodes the running sequences whatever adapters they use: in
 one forward over the slots up to the highest in use (on the CPU with one thread and groups of
-16 rows or more, where the row count changes no row's bits), or in one forward of a fixed
-shape per group of slots in use. So a sequence's tokens, log-probs and top log-probs are
-bitwise the same whatever else runs beside it. Log-probs are vLLM's
-`processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; greedy:
-the penalised log-softmax); each sequence samples with its own generator. `grpo/server.py` runs
-the engine in a background thread behind vLLM's HTTP API; `sampling.sample_many` drives it in
-the caller's thread (`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per
-sequence, not paged blocks; no preemption (a sequence waits for a free slot); other kernels,
-so other log-prob bits and seeded tokens that may differ (the draw itself, `race`, is
-vLLM's); prefix caching reuses whole prompts only (the last 16 prefills, or all of a store
-the caller keeps), not shared blocks of them. Work that must not overlap a forward (a weight
-reload) runs in the engine thread between two steps (`between_steps`); sequences already
-running go on under the new weights with the KV they have, as in vLLM.
+16 rows or more, where the row count changes no row's bits), or in one forward of a fixed shape
+per group of slots in use. So a sequence's tokens, log-probs and top log-probs are bitwise the
+same whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after the
+repetition penalty, temperature, min-p, top-k, top-p; greedy: the penalised log-softmax); each
+sequence samples with its own generator. `grpo/server.py` runs the engine in a background
+thread behind vLLM's HTTP API; `sampling.sample_many` drives it in the caller's thread
+(`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per sequence, not paged
+blocks; no preemption (a sequence waits for a free slot); other kernels, so other log-prob bits
+and seeded tokens that may differ (the draw itself, `race`, is vLLM's); prefix caching keeps
+whole prompts (the last 16 prefills, or all of a store the caller keeps), and a new prompt
+reuses the longest head it shares with one of them only in blocks of 32 tokens and where that
+keeps the bits (`Engine.shared_head`), not in any blocks vLLM's cache holds. Work that must not
+overlap a forward (a weight reload) runs in the engine thread between two steps
+(`between_steps`); sequences already running go on under the new weights with the KV they have,
+as in vLLM.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from . import devices
 from .encoding import mask_for
@@ -50,6 +52,11 @@ PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' promp
 SPAN_ROWS = 16
 SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 STACKED_COMBINATIONS = 4  # combinations of adapters whose stacked weights are kept
+# A prompt reuses the KV of a head it shares with a recent one in whole blocks of 32 tokens,
+# both prompts under 192: there PyTorch's CPU attention splits the queries in blocks of 32
+# rows, so each row of the rest meets the same block as in the prompt's whole forward. Under
+# other terms the bits moved (measured: a last block under 16 rows, or queries past 192).
+HEAD_BLOCK, HEAD_LIMIT = 32, 192
 FINISH_REASONS = ("stop", "length", "abort")
 # `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
 # /metrics): whether the server is the bound, and what its decode forwards carry (adapters:
@@ -68,6 +75,8 @@ WORK = {
                     "slots beside them), summed.",
     "decode_adapters": "LoRA adapters applied, summed over decode forwards (each to all the "
                        "rows).",
+    "prefill_shared_tokens": "Prompt tokens whose KV a prefill took from the head its prompt "
+                             "shares with a recent one (within vllm:prefix_cache_hits).",
 }
 
 
@@ -116,15 +125,16 @@ def stack_adapters(adapters: tuple[Adapter, ...], switches: dict[str, torch.nn.M
     return stacked
 
 
-PROBED: dict[tuple, bool] = {}  # `rows_invariant` by shapes, dtype and thread count
+PROBED: dict[tuple, bool] = {}  # `rows_invariant`, `heads_invariant` by shapes and threads
 
 
 def rows_invariant(model, rank: int = 16) -> bool:
     """Whether here (this CPU, its library, the current thread count) each row of the model's
-    products has the same bits at every count of SPAN_PROBE rows, and each item of a batched
-    LoRA product at each count is what its two products alone give: what `Engine.span` and
-    `Engine.stacked` rest on. A probe of the model's own weights on random rows, once per
-    process for each set of shapes."""
+    products has the same bits at every count of SPAN_PROBE rows, each item of a batched
+    LoRA product at each count is what its two products alone give, and those products'
+    rows are the same at every count too: what `Engine.span`, `Engine.stacked` and (a prompt
+    with an adapter forwarding its rest only) `Engine.shared_head` rest on. A probe of the
+    model's own weights on random rows, once per process for each set of shapes."""
     linears = {m.weight.shape: m.weight for m in model.modules()
                if isinstance(m, torch.nn.Linear)}
     key = (tuple(sorted(linears)), next(iter(linears.values())).dtype, rank,
@@ -143,15 +153,60 @@ def probe_rows(linears: dict, rank: int) -> bool:
         first = torch.nn.functional.linear(x[:least].to(weight), weight)
         a = torch.randn(2, rank, inputs, generator=generator) / inputs ** 0.5
         b = torch.randn(2, outputs, rank, generator=generator) / rank ** 0.5
+        lora = torch.nn.functional.linear(torch.nn.functional.linear(x[:least], a[0]), b[0])
         for count in SPAN_PROBE:
             rows = torch.nn.functional.linear(x[:count].to(weight), weight)[:least]
             items = torch.bmm(torch.bmm(x[:count].expand(2, count, inputs), a.transpose(1, 2)),
                               b.transpose(1, 2))
-            if not torch.equal(rows, first) or not all(torch.equal(items[k], (
-                    torch.nn.functional.linear(torch.nn.functional.linear(x[:count], a[k]),
-                                               b[k]))) for k in range(2)):
+            if not torch.equal(rows, first) or not torch.equal(items[0, :least], lora) or not all(
+                    torch.equal(items[k], torch.nn.functional.linear(
+                        torch.nn.functional.linear(x[:count], a[k]), b[k])) for k in range(2)):
                 return False
     return True
+
+
+def heads_invariant(model) -> bool:
+    """Whether here a prompt forwarded after the KV of a head it shares with another prompt
+    gets the bits of its own whole forward (KV and last logits), on `Engine.shared_head`'s
+    terms: a head of whole HEAD_BLOCKs, prompts under HEAD_LIMIT tokens, forwards of
+    SPAN_ROWS rows or more. The products' rows keep their bits at such counts
+    (`rows_invariant`); this probes the attention too, on the model's own weights and random
+    tokens, once per process for each architecture, dtype and thread count."""
+    key = ("heads", model.config.to_json_string(), next(model.parameters()).dtype,
+           torch.get_num_threads())
+    if key not in PROBED:
+        generator = torch.Generator().manual_seed(0)
+        vocab, device = model.config.vocab_size, devices.of(model)
+        PROBED[key] = True
+        for head, length, source in ((HEAD_BLOCK, 72, 80), (2 * HEAD_BLOCK, 100, 70)):
+            other = torch.randint(vocab, (source,), generator=generator).tolist()
+            tokens = other[:head] + torch.randint(
+                vocab, (length - head,), generator=generator).tolist()
+            with torch.inference_mode():
+                whole = forward_prompt(model, tokens, device)
+                reused = forward_prompt(model, tokens, device,
+                                        forward_prompt(model, other, device)[1], head)
+            PROBED[key] &= torch.equal(whole[0], reused[0]) and all(
+                torch.equal(a, b) for pair, again in zip(whole[1], reused[1])
+                for a, b in zip(pair, again))
+    return PROBED[key]
+
+
+def forward_prompt(model, tokens: list[int], device: torch.device,
+                   head: list[tuple[torch.Tensor, torch.Tensor]] | None = None, reused: int = 0
+                   ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A prompt's forward: its last logits and its per-layer (keys, values), [kv heads,
+    its length, head dim]. With `head` (another prompt's per-layer KV), that KV's first
+    `reused` positions stand for the prompt's own, and only the tokens after them run."""
+    name, cache = cache_argument(model), None
+    if reused:
+        cache = DynamicCache()  # its first update concatenates: `head` is read, never written
+        for index, (keys, values) in enumerate(head):
+            cache.update(keys[None, :, :reused], values[None, :, :reused], index)
+    output = model(input_ids=torch.tensor([tokens[reused:]], device=device), use_cache=True,
+                   logits_to_keep=1, **{} if cache is None else {name: cache})
+    return output.logits[0, -1], [(layer.keys[0], layer.values[0])
+                                  for layer in output[name].layers]
 
 
 @dataclass
@@ -259,6 +314,15 @@ class Sequence:
             self.loop.call_soon_threadsafe(settle)
 
 
+def shared_blocks(a: tuple[int, ...], b: tuple[int, ...], most: int) -> int:
+    """How many first tokens `a` and `b` share, in whole HEAD_BLOCKs, `most` at most."""
+    length = 0
+    while length + HEAD_BLOCK <= most and (
+            a[length:length + HEAD_BLOCK] == b[length:length + HEAD_BLOCK]):
+        length += HEAD_BLOCK
+    return length
+
+
 class SlotLayer(CacheLayerMixin):
     """One layer's KV slots, [slots, kv heads, max_model_len, head dim], allocated once: each
     running sequence owns one row from offset 0. A decode step works on one window of rows and
@@ -352,6 +416,7 @@ class Engine(threading.Thread):
         # sorted adapter ids -> `stack_adapters` of them, the latest combinations
         self.stacks: OrderedDict[tuple, tuple] = OrderedDict()
         self.invariant: bool | None = None  # `rows_invariant`, probed once on one CPU thread
+        self.reusable: bool | None = None  # `heads_invariant`, likewise
         self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
 
     @property
@@ -557,9 +622,40 @@ class Engine(threading.Thread):
         log.error("a request failed while generating", exc_info=error)
         seq.error = ApiError(500, f"generation failed: {type(error).__name__}: {error}")
 
+    @property
+    def reuses_heads(self) -> bool:
+        """Whether a prompt may start from the KV of the head it shares with a recent one
+        (`shared_head`): where `stacked` holds and `heads_invariant` finds the same bits
+        (probed once per engine and thread count)."""
+        if not self.stacked:
+            return False
+        if self.reusable is None:
+            self.reusable = heads_invariant(self.model)
+            log.info("prefill: %s", "a prompt reuses the head it shares with a recent one"
+                     if self.reusable else "whole prompts only: a reused head moves bits here")
+        return self.reusable
+
+    def shared_head(self, seq: Sequence) -> tuple[list | None, int]:
+        """The per-layer KV of the prompt, prefilled lately with `seq`'s adapter, with which
+        `seq`'s prompt shares the longest head (a chat template's system turn, an agent's
+        earlier turns), and how much of it to reuse; (None, 0) where none. Only on terms
+        that keep the bits of the whole forward (`reuses_heads`): whole HEAD_BLOCKs of it,
+        both prompts under HEAD_LIMIT tokens, SPAN_ROWS tokens left to forward at least."""
+        most = (seq.length - SPAN_ROWS) // HEAD_BLOCK * HEAD_BLOCK
+        if most < HEAD_BLOCK or seq.length >= HEAD_LIMIT or not self.reuses_heads:
+            return None, 0
+        best, length, tokens = None, 0, tuple(seq.prompt)
+        for (_, prompt), (adapter, kv, _) in self.prefixes.items():
+            if adapter is seq.adapter and len(prompt) < HEAD_LIMIT:
+                shared = shared_blocks(prompt, tokens, most)
+                if shared > length:
+                    best, length = kv, shared
+        return best, length
+
     def prefill(self, seq: Sequence) -> None:
         """The prompt alone (its own shape, whatever else runs), its KV copied into its slot;
-        a prompt prefilled lately with the same adapter reuses that forward's KV and logits."""
+        a prompt prefilled lately with the same adapter reuses that forward's KV and logits,
+        and a prompt that shares only a head with one forwards just its rest."""
         key = (id(seq.adapter), tuple(seq.tokens))
         self.counters["prefix_cache_queries"] += seq.length
         hit = self.prefixes.get(key)
@@ -568,14 +664,14 @@ class Engine(threading.Thread):
             self.counters["prefix_cache_hits"] += seq.length
             _, kv, logits = hit
         else:
+            head, reused = self.shared_head(seq)
+            self.counters["prefix_cache_hits"] += reused
+            self.work["prefill_shared_tokens"] += reused
             self.activate(seq.adapter)
             try:
-                output = self.model(input_ids=torch.tensor([seq.tokens], device=self.device),
-                                    use_cache=True, logits_to_keep=1)
+                logits, kv = forward_prompt(self.model, seq.tokens, self.device, head, reused)
             finally:
                 self.activate(None)
-            kv = [(layer.keys[0], layer.values[0]) for layer in output[self.cache_arg].layers]
-            logits = output.logits[0, -1]
             self.prefixes[key] = (seq.adapter, kv, logits)
             if self.prefix_limit is not None and len(self.prefixes) > self.prefix_limit:
                 self.prefixes.popitem(last=False)
