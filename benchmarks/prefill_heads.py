@@ -26,16 +26,14 @@ from pathlib import Path
 
 import torch
 from _build import snakemake  # benchmarks/: the script's own folder
-from torch import nn
 
 from reprorl import config as configuration
 from reprorl import layout
 from reprorl.encoding import load_tokenizer
 from reprorl.engine import Adapter, Engine, Params, Sequence
 from reprorl.grpo.rollout import prompt_token_ids
-from reprorl.grpo.server import Switch
+from reprorl.grpo.server import install_switches
 from reprorl.grpo_run import dataset
-from reprorl.lora import TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, NEW_TOKENS, SLOTS, MAX_LEN, RANK = 48, 4, 20, 64, 512, 16
@@ -46,12 +44,7 @@ def served_model(path: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    switches = {}
-    for name, module in list(model.named_modules()):
-        if name.rpartition(".")[2] in TARGETS and isinstance(module, nn.Linear):
-            parent, _, child = name.rpartition(".")
-            switches[name] = Switch(module)
-            setattr(model.get_submodule(parent), child, switches[name])
+    switches = install_switches(model)
     generator = torch.Generator().manual_seed(0)
     adapters = [Adapter(f"v{i}", "", {
         name: (0.05 * torch.randn(RANK, s.base.in_features, generator=generator),

@@ -144,6 +144,17 @@ class Switch(nn.Module):
         return result if self.active is None else with_adapter(result, x, *self.active)
 
 
+def install_switches(model) -> dict[str, Switch]:
+    """Put a `Switch` in place of each of the model's LoRA target linears; them by name."""
+    switches = {}
+    for name, module in list(model.named_modules()):
+        if name.rpartition(".")[2] in TARGETS and isinstance(module, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            switches[name] = Switch(module)
+            setattr(model.get_submodule(parent), child, switches[name])
+    return switches
+
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
@@ -331,12 +342,7 @@ class Server:
         self.vocab = model.config.vocab_size
         # by checkpoint name, before the Switches rename the linears
         self.weights = weight_targets(model)
-        switches = {}
-        for name, module in list(model.named_modules()):
-            if name.rpartition(".")[2] in TARGETS and isinstance(module, nn.Linear):
-                parent, _, child = name.rpartition(".")
-                switches[name] = Switch(module)
-                setattr(model.get_submodule(parent), child, switches[name])
+        switches = install_switches(model)
         self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens,
                              self.max_len, args.decode_rows)
         self.piece = lru_cache(maxsize=1 << 16)(
