@@ -285,24 +285,31 @@ def test_a_prompt_sharing_a_head_forwards_only_its_rest_with_the_same_bits(model
         return [first] + [rng.randrange(4, 64) for _ in range(length - 1)]
 
     first = system + tail(4, 40)
-    long = first + tail(10, 130)
-    pool = [first,
-            system + tail(5, 30),  # shares 40 tokens: one block, 32
-            system + tail(6, 10),  # 50 tokens: 32, and 18 left
-            system[:30] + tail(7, 40),  # under one block
-            first + tail(8, 30),  # a later turn: 80 shared, two blocks
-            system + tail(9, 5),  # 45 tokens: a block would leave 13
-            long,  # 210 tokens: whole
-            long[:100] + tail(11, 30)]  # 100 shared with `long`, too long: 80 with `first`
-    reused = [0, 32, 32, 0, 64, 0, 0, 64]
+    turn = first + tail(8, 30)
+    long, longest = first + tail(10, 130), first + tail(16, 112)
+    cases = [(first, 0),
+             (system + tail(5, 30), 32),  # shares 40 tokens: one block
+             (system + tail(6, 10), 32),  # 50 tokens: one block, 18 left
+             (system + tail(12, 8), 32),  # 48 tokens: one block, 16 left
+             (system + tail(13, 7), 0),  # 47 tokens: a block would leave 15
+             (system[:30] + tail(7, 40), 0),  # under one block
+             (turn, 64),  # a later turn: 80 shared with `first`, two blocks
+             (turn[:100] + tail(14, 20), 96),  # 100 with `turn`, which reused a head itself
+             (long, 0),  # 210 tokens: whole
+             (long[:100] + tail(11, 30), 64),  # 100 with `long`, too long: 80 with `first`
+             (first + tail(15, 111), 64),  # 191 tokens: still reuses
+             (longest, 0),  # 192 tokens: whole
+             (longest[:150] + tail(17, 20), 64)]  # 150 with `longest`, too long
+    pool, reused = [p for p, _ in cases], [r for _, r in cases]
     alone = [sample_many(model, [p], 12, -1, MAX_LEN, generators([i]), rows=4)[0]
              for i, p in enumerate(pool)]
     params = Params(max_tokens=12, temperature=1.0, logprobs=0)
     seqs = [Sequence(list(p), params, None, generator)
             for p, generator in zip(pool, generators(range(len(pool))))]
-    engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
+    engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=4)  # all prefilled at once
     forwarded = []
     forward = model.forward
+    heads_invariant(model)  # probed before counting the forwards
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model, "forward", lambda input_ids, **kw: forwarded.append(
             input_ids.shape[1]) or forward(input_ids=input_ids, **kw))

@@ -448,7 +448,11 @@ def test_batch_invariance_over_random_mixes(tiny_model, reference, tmp_path, lay
             body = {**body, "model": str(tiny_model) if body["model"] == "base" else body["model"]}
             return complete(url, **body)
 
-        alone = [ask(body) for body in targets]
+        def fresh(body):  # the reference: an empty cache, so every prompt forwarded whole
+            assert requests.post(url + "/reset_prefix_cache", timeout=10).ok
+            return ask(body)
+
+        alone = [fresh(body) for body in targets]
         mixes, compared = 30, 0
         for _ in range(mixes):
             chosen = rng.sample(range(len(targets)), rng.randint(1, len(targets)))

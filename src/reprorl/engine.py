@@ -53,9 +53,11 @@ SPAN_ROWS = 16
 SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 STACKED_COMBINATIONS = 4  # combinations of adapters whose stacked weights are kept
 # A prompt reuses the KV of a head it shares with a recent one in whole blocks of 32 tokens,
-# both prompts under 192: there PyTorch's CPU attention splits the queries in blocks of 32
-# rows, so each row of the rest meets the same block as in the prompt's whole forward. Under
-# other terms the bits moved (measured: a last block under 16 rows, or queries past 192).
+# both prompts under 192 tokens, 16 or more left to forward: under 192 queries PyTorch's CPU
+# attention splits them in blocks of 32 rows and keys in one block, so each row of the rest
+# meets the same query block as in the prompt's whole forward, and the products' rows keep
+# their bits from 16 rows up. With other heads the bits moved (measured: a row in a query
+# block of under 16 rows in one forward and of 32 in the other).
 HEAD_BLOCK, HEAD_LIMIT = 32, 192
 FINISH_REASONS = ("stop", "length", "abort")
 # `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
@@ -165,30 +167,42 @@ def probe_rows(linears: dict, rank: int) -> bool:
     return True
 
 
+# (head, prompt, source) lengths `heads_invariant` compares: one and two blocks reused, the
+# least rest (16 rows), the longest prompt and source, a source shorter than the prompt
+HEAD_PROBE = ((HEAD_BLOCK, 72, 80), (2 * HEAD_BLOCK, 100, 70), (HEAD_BLOCK, 48, 191),
+              (3 * HEAD_BLOCK, HEAD_LIMIT - 1, 120))
+
+
 def heads_invariant(model) -> bool:
     """Whether here a prompt forwarded after the KV of a head it shares with another prompt
     gets the bits of its own whole forward (KV and last logits), on `Engine.shared_head`'s
-    terms: a head of whole HEAD_BLOCKs, prompts under HEAD_LIMIT tokens, forwards of
-    SPAN_ROWS rows or more. The products' rows keep their bits at such counts
-    (`rows_invariant`); this probes the attention too, on the model's own weights and random
-    tokens, once per process for each architecture, dtype and thread count."""
-    key = ("heads", model.config.to_json_string(), next(model.parameters()).dtype,
+    terms. The products' rows keep their bits at such counts (`rows_invariant`); this probes
+    the attention too, whose products see other row counts and key lengths in the two
+    forwards, on the model's own weights and random tokens (HEAD_PROBE), once per process
+    for each architecture, attention, dtype and thread count. An error counts as a no."""
+    key = ("heads", type(model).__name__, model.config.to_json_string(),
+           getattr(model.config, "_attn_implementation", None), next(model.parameters()).dtype,
            torch.get_num_threads())
     if key not in PROBED:
         generator = torch.Generator().manual_seed(0)
         vocab, device = model.config.vocab_size, devices.of(model)
-        PROBED[key] = True
-        for head, length, source in ((HEAD_BLOCK, 72, 80), (2 * HEAD_BLOCK, 100, 70)):
-            other = torch.randint(vocab, (source,), generator=generator).tolist()
-            tokens = other[:head] + torch.randint(
-                vocab, (length - head,), generator=generator).tolist()
-            with torch.inference_mode():
-                whole = forward_prompt(model, tokens, device)
-                reused = forward_prompt(model, tokens, device,
-                                        forward_prompt(model, other, device)[1], head)
-            PROBED[key] &= torch.equal(whole[0], reused[0]) and all(
-                torch.equal(a, b) for pair, again in zip(whole[1], reused[1])
-                for a, b in zip(pair, again))
+        same = True
+        try:
+            for head, length, source in HEAD_PROBE:
+                other = torch.randint(vocab, (source,), generator=generator).tolist()
+                tokens = other[:head] + torch.randint(
+                    vocab, (length - head,), generator=generator).tolist()
+                with torch.inference_mode():
+                    whole = forward_prompt(model, tokens, device)
+                    reused = forward_prompt(model, tokens, device,
+                                            forward_prompt(model, other, device)[1], head)
+                same = same and torch.equal(whole[0], reused[0]) and all(
+                    torch.equal(a, b) for pair, again in zip(whole[1], reused[1])
+                    for a, b in zip(pair, again))
+        except Exception:  # noqa: BLE001 (this model's cache path failed: no reuse)
+            log.exception("probing a prompt's prefill after a reused head failed")
+            same = False
+        PROBED[key] = same
     return PROBED[key]
 
 
@@ -200,7 +214,7 @@ def forward_prompt(model, tokens: list[int], device: torch.device,
     `reused` positions stand for the prompt's own, and only the tokens after them run."""
     name, cache = cache_argument(model), None
     if reused:
-        cache = DynamicCache()  # its first update concatenates: `head` is read, never written
+        cache = DynamicCache(config=model.config)  # updates concatenate: `head` stays as it is
         for index, (keys, values) in enumerate(head):
             cache.update(keys[None, :, :reused], values[None, :, :reused], index)
     output = model(input_ids=torch.tensor([tokens[reused:]], device=device), use_cache=True,
@@ -376,7 +390,8 @@ class Engine(threading.Thread):
     The attended length is the forward's longest row rounded up to 64 (with the positions
     beyond each row masked, the result does not depend on that length, measured); a prompt is
     prefilled alone (the samples of a group, which share it, reuse one prefill: the same
-    forward, same bits);
+    forward, same bits; a prompt sharing a head with a recent one may forward only its rest,
+    on terms that keep the whole forward's bits: `shared_head`);
     nothing is ever recomputed (no preemption: a request waits for a free slot). When
     sequences end and nobody waits, the sequences of the highest slots move, KV and all, into
     lower holes (`compact`): since a row's bits depend neither on its place nor on the window
@@ -387,8 +402,9 @@ class Engine(threading.Thread):
     def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
                  capacity: int, max_len: int, rows: int = 16, prefixes: OrderedDict | None = None):
         """`switches`: the model's adapter layers (`server.Switch`) by name; {} for none.
-        `prefixes`: a prefill store to share with other engines on the same weights, which
-        keeps every prompt (the caller drops it when the weights change); without one, the
+        `prefixes`: a prefill store to share with other engines on the same weights and
+        thread count, which keeps every prompt (the caller drops it when the weights change,
+        and a reused head must have the bits this engine would compute); without one, the
         engine keeps its last PREFIX_CACHE_PROMPTS prefills."""
         super().__init__(name="engine", daemon=True)
         self.model, self.switches, self.max_len = model, switches, max_len
@@ -625,9 +641,9 @@ class Engine(threading.Thread):
     @property
     def reuses_heads(self) -> bool:
         """Whether a prompt may start from the KV of the head it shares with a recent one
-        (`shared_head`): where `stacked` holds and `heads_invariant` finds the same bits
-        (probed once per engine and thread count)."""
-        if not self.stacked:
+        (`shared_head`): in float32 (what was measured) where `stacked` holds and
+        `heads_invariant` finds the same bits (asked once per engine)."""
+        if not self.stacked or next(self.model.parameters()).dtype != torch.float32:
             return False
         if self.reusable is None:
             self.reusable = heads_invariant(self.model)
@@ -665,13 +681,13 @@ class Engine(threading.Thread):
             _, kv, logits = hit
         else:
             head, reused = self.shared_head(seq)
-            self.counters["prefix_cache_hits"] += reused
-            self.work["prefill_shared_tokens"] += reused
             self.activate(seq.adapter)
             try:
                 logits, kv = forward_prompt(self.model, seq.tokens, self.device, head, reused)
             finally:
                 self.activate(None)
+            self.counters["prefix_cache_hits"] += reused
+            self.work["prefill_shared_tokens"] += reused
             self.prefixes[key] = (seq.adapter, kv, logits)
             if self.prefix_limit is not None and len(self.prefixes) > self.prefix_limit:
                 self.prefixes.popitem(last=False)
