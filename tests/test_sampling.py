@@ -183,6 +183,46 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
             assert torch.equal(out[2], base(x)[2])
 
 
+def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(one_thread):
+    """Stacked adapters (one thread): a sequence of a rank-1 adapter, and one of a rank-8
+    adapter, draw the same bits alone and beside other adapters of their rank. On this
+    project's CPUs a `bmm` of rank 1 gives other bits with one item than with two, so a rank
+    whose batched products change with the stack (`rows_invariant` at that rank) runs each
+    adapter on its own."""
+    from reprorl.engine import Adapter, Engine, Params, Sequence
+    from reprorl.grpo.server import install_switches
+
+    torch.manual_seed(1)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=MAX_LEN)
+    model = Qwen2ForCausalLM(config).eval()
+    switches = install_switches(model)
+    generator = torch.Generator().manual_seed(4)
+
+    def adapter(name: str, rank: int) -> Adapter:
+        return Adapter(name, "", {key: (0.3 * torch.randn(rank, s.base.in_features,
+                                                          generator=generator),
+                                        0.3 * torch.randn(s.base.out_features, rank,
+                                                          generator=generator), 2.0)
+                                  for key, s in switches.items()})
+
+    a, b, c, d = adapter("a", 1), adapter("b", 1), adapter("c", 8), adapter("d", 8)
+    params = Params(max_tokens=16, temperature=1.0, logprobs=0)
+    pool = prompts(4, 29)
+
+    def run(pairs) -> list[Sequence]:
+        seqs = [Sequence(list(pool[i]), params, lora, torch.Generator().manual_seed(i))
+                for i, lora in pairs]
+        Engine(model, switches, 16, 16 * MAX_LEN, MAX_LEN, rows=16).generate(seqs)
+        return seqs
+
+    alone = [run([(0, a)])[0], run([(2, c)])[0]]
+    together = run([(0, a), (1, b), (2, c), (3, d)])
+    for seq, expected in zip((together[0], together[2]), alone):
+        assert (seq.generated, seq.logprobs) == (expected.generated, expected.logprobs)
+
+
 SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
             {"temperature": 1.3, "top_p": 0.8}, {"temperature": 0.9, "min_p": 0.05},
             {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.01}]

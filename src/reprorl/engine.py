@@ -433,6 +433,7 @@ class Engine(threading.Thread):
         self.stacks: OrderedDict[tuple, tuple] = OrderedDict()
         self.invariant: bool | None = None  # `rows_invariant`, probed once on one CPU thread
         self.reusable: bool | None = None  # `heads_invariant`, likewise
+        self.ranks: dict[int, bool] = {}  # `rows_invariant` by LoRA rank (`stacks_rank`)
         self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
 
     @property
@@ -783,10 +784,11 @@ class Engine(threading.Thread):
                    by_adapter: list[tuple[Adapter, list[int]]]) -> None:
         """Set every switch's per-row adapters for one decode forward of `count` rows, of
         which `decoding` hold a sequence: each entry a single adapter's (A, B, scale), or
-        with `stacked` a stack of one rank's adapters (`stack_adapters`, kept for the last
-        few combinations: one changes only when sequences come and go) with the row of the
-        stacked results each row keeps and its scale; and the rows that keep the entry's
-        result (None: all, when it serves every decoding row; the others are dummies)."""
+        with `stacked` and `stacks_rank` a stack of one rank's adapters (`stack_adapters`,
+        kept for the last few combinations: one changes only when sequences come and go)
+        with the row of the stacked results each row keeps and its scale; and the rows that
+        keep the entry's result (None: all, when it serves every decoding row; the others
+        are dummies)."""
         for switch in self.switches.values():
             switch.by_row = []
         if not by_adapter:
@@ -799,21 +801,24 @@ class Engine(threading.Thread):
             mask[rows] = True
             return mask.to(self.device)
 
-        if not self.stacked:
-            for adapter, rows in by_adapter:
+        # a rank whose batched products change with the stack runs each adapter on its own
+        stacking = [(a, rows) for a, rows in by_adapter if self.stacked and self.stacks_rank(a)]
+        for adapter, rows in by_adapter:
+            if not any(adapter is other for other, _ in stacking):
                 kept = keep(rows)
                 for name, switch in self.switches.items():
                     if name in adapter.weights:
                         switch.by_row.append((adapter.weights[name], kept))
+        if not stacking:
             return
         # an entry holds its adapters (stack_adapters' members), so no id in a key is reused
-        key = tuple(sorted(id(adapter) for adapter, _ in by_adapter))
+        key = tuple(sorted(id(adapter) for adapter, _ in stacking))
         if key not in self.stacks:
-            self.stacks[key] = stack_adapters(tuple(a for a, _ in by_adapter), self.switches)
+            self.stacks[key] = stack_adapters(tuple(a for a, _ in stacking), self.switches)
             while len(self.stacks) > STACKED_COMBINATIONS:
                 self.stacks.popitem(last=False)
         self.stacks.move_to_end(key)
-        rows_of = {id(adapter): rows for adapter, rows in by_adapter}
+        rows_of = {id(adapter): rows for adapter, rows in stacking}
         every_row = torch.arange(count)
         for members, weights in self.stacks[key]:
             place = torch.zeros(count, dtype=torch.long)
@@ -826,6 +831,13 @@ class Engine(threading.Thread):
                 [row for adapter in members for row in rows_of[id(adapter)]])
             for name, switch in self.switches.items():
                 switch.by_row.append(((*weights[name], pick, scale), kept))
+
+    def stacks_rank(self, adapter: Adapter) -> bool:
+        """Whether adapters of `adapter`'s rank may run stacked: `rows_invariant` at that
+        rank (on this project's CPUs every rank but 1), asked once per engine."""
+        if adapter.rank not in self.ranks:
+            self.ranks[adapter.rank] = rows_invariant(self.model, adapter.rank)
+        return self.ranks[adapter.rank]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """The next token of each of `seqs` from its row of `logits` [len(seqs), vocab]. The
