@@ -21,3 +21,16 @@ def snakemake(*targets: str, configfile: str | None = None) -> None:
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     print("building first:", " ".join(command), flush=True)
     subprocess.run(command, check=True, env=env)
+
+
+def ensure_built(model_path: str, configfile: str | None = None) -> None:
+    """The profile's base model and corpus, built by their Snakemake targets when missing."""
+    from reprorl import corpus, layout
+
+    targets = [target for target, ready in (
+        ("base_model", all(Path(model_path, name).is_file()
+                           for name in ("config.json", "tokenizer.json"))),
+        ("prepare", all((layout.CORPUS / name).is_file()
+                        for name in ("train/pages.json", corpus.ROLLOUT_PROMPTS)))) if not ready]
+    if targets:
+        snakemake(*targets, configfile=configfile)

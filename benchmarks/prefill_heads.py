@@ -13,7 +13,8 @@ alternate. The model and corpus come from `snakemake base_model prepare` when mi
 
     python benchmarks/prefill_heads.py [--rounds 3]
 
-Printed last, one JSON line: each arm's prefill and total seconds (best round), the prefill
+Printed last, one JSON line: each arm's prefill and total seconds (best round: the first
+`heads` round also pays the once-per-process probe, `engine.heads_invariant`), the prefill
 speedup, and the reused tokens.
 """
 
@@ -25,10 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-from _build import snakemake  # benchmarks/: the script's own folder
+from _build import ensure_built  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
-from reprorl import layout
 from reprorl.encoding import load_tokenizer
 from reprorl.engine import Adapter, Engine, Params, Sequence
 from reprorl.grpo.rollout import prompt_token_ids
@@ -85,11 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     config = configuration.load(args.config)
     path = config["model"]["path"]
-    missing = [target for target, ready in (
-        ("base_model", Path(path, "config.json").is_file()),
-        ("prepare", (layout.CORPUS / "train/pages.json").is_file())) if not ready]
-    if missing:
-        snakemake(*missing, configfile=args.config)
+    ensure_built(path, args.config)
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(path)
     prompts = [prompt_token_ids(tokenizer, row["prompt"]) for row in dataset("verifier")]

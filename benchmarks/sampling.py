@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from _build import snakemake  # benchmarks/: the script's own folder
+from _build import ensure_built  # benchmarks/: the script's own folder
 
 from reprorl.sampling import sample, sample_many, sample_without_cache
 
@@ -141,17 +141,6 @@ def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
     return {"prompts": len(prompts), "sampled_tokens": tokens, "same_tokens": same,
             "same_reference_logprobs_and_values": close, "seconds": timings,
             "speedup": timings["no_cache"] / timings["engine"]}
-
-
-def ensure_built(path: str) -> None:
-    """The profile's base model and corpus, built by Snakemake when missing."""
-    from reprorl import layout
-
-    targets = [target for target, ready in (
-        ("base_model", Path(path, "config.json").is_file()),
-        ("prepare", (layout.CORPUS / "train/pages.json").is_file())) if not ready]
-    if targets:
-        snakemake(*targets)
 
 
 def default_model(path: str, count: int, seed: int, max_new_tokens: int) -> dict:

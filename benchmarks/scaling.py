@@ -27,10 +27,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from _build import snakemake  # benchmarks/: the script's own folder
+from _build import ensure_built  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
-from reprorl import corpus, layout
+from reprorl import corpus
 from reprorl.grpo.metrics import read_windows
 from reprorl.grpo_run import engine_settings
 
@@ -41,14 +41,6 @@ DEFAULT_WIDTH, DEFAULT_LENGTH, LAYERS = 256, 64, 6
 def even_share(completion_ids, **kwargs) -> list[float]:
     """The share of even token ids: cheap, and different across a group's completions."""
     return [sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]
-
-
-def ensure_built(model_path: str) -> None:
-    targets = [target for target, ready in (
-        ("base_model", Path(model_path, "tokenizer.json").is_file()),
-        ("prepare", (layout.CORPUS / corpus.ROLLOUT_PROMPTS).is_file())) if not ready]
-    if targets:
-        snakemake(*targets)
 
 
 def random_model(directory: Path, width: int, tokenizer_dir: str, max_len: int) -> str:

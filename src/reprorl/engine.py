@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -372,7 +373,12 @@ class SlotLayer(CacheLayerMixin):
 
 def cache_argument(model) -> str:
     """The forward argument that takes a KV cache (transformers 5.2x renamed it)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else (
+    return _cache_argument(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(kind: type) -> str:  # once per model class: every prefill asks
+    return "cache" if "cache" in inspect.signature(kind.forward).parameters else (
         "past_key_values")
 
 
@@ -652,16 +658,16 @@ class Engine(threading.Thread):
                      if self.reusable else "whole prompts only: a reused head moves bits here")
         return self.reusable
 
-    def shared_head(self, seq: Sequence) -> tuple[list | None, int]:
+    def shared_head(self, seq: Sequence, tokens: tuple[int, ...]) -> tuple[list | None, int]:
         """The per-layer KV of the prompt, prefilled lately with `seq`'s adapter, with which
-        `seq`'s prompt shares the longest head (a chat template's system turn, an agent's
-        earlier turns), and how much of it to reuse; (None, 0) where none. Only on terms
+        `seq`'s prompt (`tokens`) shares the longest head (a chat template's system turn, an
+        agent's earlier turns), and how much of it to reuse; (None, 0) where none. Only on terms
         that keep the bits of the whole forward (`reuses_heads`): whole HEAD_BLOCKs of it,
         both prompts under HEAD_LIMIT tokens, SPAN_ROWS tokens left to forward at least."""
         most = (seq.length - SPAN_ROWS) // HEAD_BLOCK * HEAD_BLOCK
         if most < HEAD_BLOCK or seq.length >= HEAD_LIMIT or not self.reuses_heads:
             return None, 0
-        best, length, tokens = None, 0, tuple(seq.prompt)
+        best, length = None, 0
         for (_, prompt), (adapter, kv, _) in self.prefixes.items():
             if adapter is seq.adapter and len(prompt) < HEAD_LIMIT:
                 shared = shared_blocks(prompt, tokens, most)
@@ -673,7 +679,8 @@ class Engine(threading.Thread):
         """The prompt alone (its own shape, whatever else runs), its KV copied into its slot;
         a prompt prefilled lately with the same adapter reuses that forward's KV and logits,
         and a prompt that shares only a head with one forwards just its rest."""
-        key = (id(seq.adapter), tuple(seq.tokens))
+        tokens = tuple(seq.tokens)  # the prompt: nothing generated yet
+        key = (id(seq.adapter), tokens)
         self.counters["prefix_cache_queries"] += seq.length
         hit = self.prefixes.get(key)
         if hit is not None and hit[0] is seq.adapter:  # the same object: the same weights
@@ -681,7 +688,7 @@ class Engine(threading.Thread):
             self.counters["prefix_cache_hits"] += seq.length
             _, kv, logits = hit
         else:
-            head, reused = self.shared_head(seq)
+            head, reused = self.shared_head(seq, tokens)
             self.activate(seq.adapter)
             try:
                 logits, kv = forward_prompt(self.model, seq.tokens, self.device, head, reused)
@@ -802,13 +809,15 @@ class Engine(threading.Thread):
             return mask.to(self.device)
 
         # a rank whose batched products change with the stack runs each adapter on its own
-        stacking = [(a, rows) for a, rows in by_adapter if self.stacked and self.stacks_rank(a)]
+        stacking = []
         for adapter, rows in by_adapter:
-            if not any(adapter is other for other, _ in stacking):
-                kept = keep(rows)
-                for name, switch in self.switches.items():
-                    if name in adapter.weights:
-                        switch.by_row.append((adapter.weights[name], kept))
+            if self.stacked and self.stacks_rank(adapter):
+                stacking.append((adapter, rows))
+                continue
+            kept = keep(rows)
+            for name, switch in self.switches.items():
+                if name in adapter.weights:
+                    switch.by_row.append((adapter.weights[name], kept))
         if not stacking:
             return
         # an entry holds its adapters (stack_adapters' members), so no id in a key is reused
