@@ -777,6 +777,29 @@ def test_a_fixed_schedule_steps_over_an_empty_block_and_resumes_after_it(tiny_mo
     assert all(torch.equal(continuous[k], resumed[k]) for k in continuous)
 
 
+@pytest.mark.timeout(300)
+def test_a_fixed_schedule_samples_no_block_past_the_runs_last_step(tiny_model, tmp_path):
+    """max_steps 2, lag 1: version 1, published after step 1, would sample block 2 while step 2
+    trains block 1, and no step would ever train it. The worker samples blocks 0 and 1 only:
+    the server (the test's own, so it can be asked after the run) completed exactly their
+    requests, 2 blocks x 2 groups x 4 samples."""
+    server, server_log, url = start_server(tiny_model, tmp_path / "server", "--max-loras", "4")
+    try:
+        args = make_args(tmp_path, "out", embedded_server=False, vllm_server_base_url=url,
+                         weight_sync_check=False, max_staleness=1, schedule_lag=1, max_steps=2)
+        trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
+                                   args=args, train_dataset=make_rows(8), log=lambda m: None)
+        assert trainer.train().global_step == 2
+        text = requests.get(f"{url}/metrics", timeout=10).text
+        done = re.findall(r'^vllm:request_success_total\{finished_reason="(\w+)",[^}]*\} (\S+)$',
+                          text, re.M)
+        assert sum(float(n) for reason, n in done if reason != "abort") == 2 * 2 * 4, done
+    finally:
+        server.kill()
+        server.wait()
+        server_log.close()
+
+
 @pytest.mark.timeout(400)
 def test_an_interrupt_at_the_last_step_before_empty_blocks_resumes_to_the_same_checkpoint(
         tiny_model, tmp_path):

@@ -16,7 +16,8 @@ Flow control (the seed's "Concurrency"):
 - a fixed schedule (`schedule_lag` L; `synchronous=True` is L = 0): the group of position p is
   sampled by version max(0, p // groups_per_step - L) and starts only once that version is
   published, so which version samples what never depends on timing; the allowance and the
-  staleness rule play no part (the schedule bounds the lag).
+  staleness rule play no part (the schedule bounds the lag). With max_steps, no group starts
+  past the last block a step of the run can still train (`position_limit`, the trainer's).
 Positions count through each epoch's seeded shuffle of the rows. Every position reaches the
 trainer exactly once: as samples, or as a "consumed" marker (filtered prompt, dropped group),
 so the trainer can keep the resume cursor; a resumed worker starts at the cursor and skips
@@ -257,12 +258,13 @@ class AsyncRolloutLoop:
                  tools=None, environment_factory=None, score_queue_maxsize: int = 16,
                  lora_name: str | None = None, dataset_start_index: int = 0, *,
                  queued_tokens=None, queued_samples=None, stop_event=None,
-                 consumed_after_cursor=(), sampling_mask: bool = False):
+                 consumed_after_cursor=(), sampling_mask: bool = False, position_limit=None):
         self.config, self.model_name, self.dataset = config, model_name, dataset
         self.reward_funcs, self.tokenizer = list(reward_funcs), processing_class
         self.eos_token_ids = set(eos_token_ids)
         self.rollout_buffer, self.model_version = rollout_buffer, model_version_value
         self.token_allowance, self.heartbeat = token_allowance, heartbeat_value
+        self.position_limit = position_limit  # shared .value (-1: none), or None
         self.failed_event, self.exception_info_queue = failed_event, exception_info_queue
         self.metrics_queue, self.tools = metrics_queue, list(tools or [])
         self.environments = EnvironmentPool(environment_factories(environment_factory))
@@ -485,6 +487,10 @@ class AsyncRolloutLoop:
         return has_room(self.queued_tokens.value, self.in_flight_groups,
                         self.tokens_per_group[-32:], self.token_allowance.value)
 
+    def _trainable(self, position: int) -> bool:
+        limit = -1 if self.position_limit is None else self.position_limit.value
+        return limit < 0 or position < limit
+
     async def _wait_for_room(self, position: int) -> None:
         """Wait for the schedule (a fixed one's version, or the free-running token allowance)
         and the concurrency cap; only the schedule's wait is `rollout/backpressure_s`."""
@@ -492,8 +498,9 @@ class AsyncRolloutLoop:
         while not self.stopping():
             if version is None:
                 room = self._room_for_group()
-            else:  # the version that samples this position is published
-                room = self.model_version.value >= version
+            else:  # the version that samples this position is published, and a step of the
+                # run can still train it (max_steps: `AsyncGRPOTrainer._position_limit`)
+                room = self.model_version.value >= version and self._trainable(position)
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
                     self.cap, self.config.num_generations):
                 break

@@ -439,6 +439,7 @@ class TrainingRun:
     batcher: TokenBudgetBatcher | None = None
     samples: SampleQueue | None = None
     allowance: Any = None  # shared .value: tokens the worker may keep queued or in flight
+    position_limit: Any = None  # shared .value: the worker samples no position from it on
     worker_metrics: Any = None  # queue of the worker's metric records
     sampling_mask: bool = False  # the server returns candidate sets (top-k/top-p/min-p)
 
@@ -680,6 +681,7 @@ class AsyncGRPOTrainer:
         run.allowance = context.RawValue("d", float(  # before the first step: full rows
             max(args.max_staleness, 1) * args.gradient_accumulation_steps
             * run.batcher.capacity))
+        run.position_limit = context.RawValue("q", self._position_limit())
         signals = WorkerSignals.create(context)
         self.worker = WorkerHandle(context, signals, args.rollout_worker_timeout)
         run.samples = SampleQueue(groups, run.ledger, run.version, args.max_staleness,
@@ -697,12 +699,23 @@ class AsyncGRPOTrainer:
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor)}
         shared = {  # what only a spawn may pass: the rest follows once the worker runs
             "rollout_buffer": groups, "model_version_value": run.version,
-            "token_allowance": run.allowance, "metrics_queue": run.worker_metrics,
+            "token_allowance": run.allowance, "position_limit": run.position_limit,
+            "metrics_queue": run.worker_metrics,
             "queued_tokens": queued_tokens, "queued_samples": queued_samples,
             **signals.worker_kwargs()}
         self.worker.start(run_rollout_loop, (shared, os.getpid(), signals.started),
                           (self.loop_cls, kwargs))
         self.worker.wait_started(MAIN_GUARD)
+
+    def _position_limit(self) -> int:
+        """The first position no step of this run can train, under a fixed schedule ended by
+        max_steps (each step trains the next block, an empty block publishes a version and
+        trains none): the worker samples none from there on, so the run's last steps do not
+        share the server with blocks nobody trains. -1: no such bound."""
+        args, run = self.args, self.run
+        if args.schedule_lag is None or args.max_steps <= 0:
+            return -1
+        return (run.version.value + args.max_steps - run.global_step) * args.groups_per_step
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
@@ -955,6 +968,7 @@ class AsyncGRPOTrainer:
                 if not fixed:
                     break  # every prompt of the last epoch has been consumed
                 self._sync(run.version.value + 1)  # a fixed schedule's empty block
+                run.position_limit.value = self._position_limit()  # one more block to train
                 continue
             self._optimizer_step(step)
             for sample in step.samples:
