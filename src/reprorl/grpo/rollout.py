@@ -492,8 +492,9 @@ class AsyncRolloutLoop:
         return limit < 0 or position < limit
 
     async def _wait_for_room(self, position: int) -> None:
-        """Wait for the schedule (a fixed one's version, or the free-running token allowance)
-        and the concurrency cap; only the schedule's wait is `rollout/backpressure_s`."""
+        """Wait for the schedule (a fixed one's version and the run's end, or the free-running
+        token allowance) and the concurrency cap; only the schedule's wait is
+        `rollout/backpressure_s`."""
         held_back, version = 0.0, self.config.schedule_version(position)
         while not self.stopping():
             if version is None:
