@@ -437,9 +437,8 @@ class Engine(threading.Thread):
         self.moves = 0  # sequences moved to a lower slot by `compact`
         # sorted adapter ids -> `stack_adapters` of them, the latest combinations
         self.stacks: OrderedDict[tuple, tuple] = OrderedDict()
-        self.invariant: bool | None = None  # `rows_invariant`, probed once on one CPU thread
-        self.reusable: bool | None = None  # `heads_invariant`, likewise
         self.ranks: dict[int, bool] = {}  # `rows_invariant` by LoRA rank (`stacks_rank`)
+        self.reusable: bool | None = None  # `heads_invariant`, probed once on one CPU thread
         self.work = {key: 0.0 if key.endswith("_seconds") else 0 for key in WORK}
 
     @property
@@ -449,12 +448,13 @@ class Engine(threading.Thread):
         `rows_invariant` holds (probed at the first call there, and logged)."""
         if self.device.type != "cpu" or torch.get_num_threads() != 1:
             return False
-        if self.invariant is None:
-            self.invariant = rows_invariant(self.model)
+        first = 16 not in self.ranks
+        invariant = self.stacks_rank()
+        if first:
             mode = "spanning forwards" if self.rows >= SPAN_ROWS else f"by groups of {self.rows}"
-            log.info("decode: %s", f"{mode}, adapters stacked" if self.invariant else
+            log.info("decode: %s", f"{mode}, adapters stacked" if invariant else
                      f"by groups of {self.rows}: this CPU's products change bits with the rows")
-        return self.invariant
+        return invariant
 
     @property
     def span(self) -> bool:
@@ -811,7 +811,7 @@ class Engine(threading.Thread):
         # a rank whose batched products change with the stack runs each adapter on its own
         stacking = []
         for adapter, rows in by_adapter:
-            if self.stacked and self.stacks_rank(adapter):
+            if self.stacked and self.stacks_rank(adapter.rank):
                 stacking.append((adapter, rows))
                 continue
             kept = keep(rows)
@@ -841,12 +841,13 @@ class Engine(threading.Thread):
             for name, switch in self.switches.items():
                 switch.by_row.append(((*weights[name], pick, scale), kept))
 
-    def stacks_rank(self, adapter: Adapter) -> bool:
-        """Whether adapters of `adapter`'s rank may run stacked: `rows_invariant` at that
-        rank (on this project's CPUs every rank but 1), asked once per engine."""
-        if adapter.rank not in self.ranks:
-            self.ranks[adapter.rank] = rows_invariant(self.model, adapter.rank)
-        return self.ranks[adapter.rank]
+    def stacks_rank(self, rank: int = 16) -> bool:
+        """`rows_invariant` at `rank`, asked once per engine (the probe's key walks the
+        model's modules): at 16 what `stacked` rests on; at an adapter's rank whether
+        adapters of that rank may run stacked (on this project's CPUs every rank but 1)."""
+        if rank not in self.ranks:
+            self.ranks[rank] = rows_invariant(self.model, rank)
+        return self.ranks[rank]
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """The next token of each of `seqs` from its row of `logits` [len(seqs), vocab]. The
