@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -778,26 +779,52 @@ def test_a_fixed_schedule_steps_over_an_empty_block_and_resumes_after_it(tiny_mo
 
 
 @pytest.mark.timeout(300)
-def test_a_fixed_schedule_samples_no_block_past_the_runs_last_step(tiny_model, tmp_path):
-    """max_steps 2, lag 1: version 1, published after step 1, would sample block 2 while step 2
-    trains block 1, and no step would ever train it. The worker samples blocks 0 and 1 only:
-    the server (the test's own, so it can be asked after the run) completed exactly their
-    requests, 2 blocks x 2 groups x 4 samples."""
+@pytest.mark.parametrize("end", ["max_steps", "interrupt"])
+def test_a_fixed_schedule_samples_no_block_past_the_calls_last_step(tiny_model, tmp_path, end):
+    """Lag 1, 4 blocks. max_steps 2: version 1, published after step 1, would sample block 2
+    while step 2 trains block 1, and no step would ever train it; the worker samples blocks 0
+    and 1 only. An epoch interrupted after step 1: version 0 would sample block 1 beside block
+    0, and the call stops before training it (its resume samples it again); the worker samples
+    block 0 only. The server (the test's own, so it can be asked after the run) completed
+    exactly their requests, blocks x 2 groups x 4 samples."""
     server, server_log, url = start_server(tiny_model, tmp_path / "server", "--max-loras", "4")
     try:
+        ending = {"max_steps": 2} if end == "max_steps" else {"num_train_epochs": 1}
         args = make_args(tmp_path, "out", embedded_server=False, vllm_server_base_url=url,
-                         weight_sync_check=False, max_staleness=1, schedule_lag=1, max_steps=2)
+                         weight_sync_check=False, max_staleness=1, schedule_lag=1, **ending)
         trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward,
                                    args=args, train_dataset=make_rows(8), log=lambda m: None)
-        assert trainer.train().global_step == 2
+        steps = 2 if end == "max_steps" else 1
+        assert trainer.train(interrupt_after_step=None if end == "max_steps" else 1
+                             ).global_step == steps
         text = requests.get(f"{url}/metrics", timeout=10).text
         done = re.findall(r'^vllm:request_success_total\{finished_reason="(\w+)",[^}]*\} (\S+)$',
                           text, re.M)
-        assert sum(float(n) for reason, n in done if reason != "abort") == 2 * 2 * 4, done
+        assert sum(float(n) for reason, n in done if reason != "abort") == steps * 2 * 4, done
     finally:
         server.kill()
         server.wait()
         server_log.close()
+
+
+@pytest.mark.parametrize("max_steps, interrupt, limit", [
+    (-1, None, -1),  # epochs: their end bounds the worker
+    (5, None, (2 + 5 - 2) * 2),  # version 2 at step 2 (an empty block): 3 steps and 3 blocks
+    (-1, 3, (2 + 3 - 2) * 2),
+    (5, 3, (2 + 3 - 2) * 2),  # the nearer end
+    (-1, 2, -1),  # an interrupt at the resumed step never fires: the run goes on
+    (5, 1, (2 + 5 - 2) * 2),
+])
+def test_the_position_limit_is_the_calls_nearest_end_ahead(tiny_model, tmp_path, max_steps,
+                                                           interrupt, limit):
+    args = make_args(tmp_path, "out", schedule_lag=1, max_steps=max_steps)
+    trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward, args=args,
+                               train_dataset=make_rows(8), log=lambda m: None)
+    trainer.run = SimpleNamespace(version=SimpleNamespace(value=2), global_step=2,
+                                  interrupt_after_step=interrupt)
+    assert trainer._position_limit() == limit
+    trainer.args.schedule_lag = None  # free-running: no schedule to bound
+    assert trainer._position_limit() == -1
 
 
 @pytest.mark.timeout(400)

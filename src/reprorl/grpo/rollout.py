@@ -16,8 +16,9 @@ Flow control (the seed's "Concurrency"):
 - a fixed schedule (`schedule_lag` L; `synchronous=True` is L = 0): the group of position p is
   sampled by version max(0, p // groups_per_step - L) and starts only once that version is
   published, so which version samples what never depends on timing; the allowance and the
-  staleness rule play no part (the schedule bounds the lag). With max_steps, no group starts
-  past the last block a step of the run can still train (`position_limit`, the trainer's).
+  staleness rule play no part (the schedule bounds the lag). With max_steps or an interrupt,
+  no group starts past the last block a step of the call can train (`position_limit`, the
+  trainer's).
 Positions count through each epoch's seeded shuffle of the rows. Every position reaches the
 trainer exactly once: as samples, or as a "consumed" marker (filtered prompt, dropped group),
 so the trainer can keep the resume cursor; a resumed worker starts at the cursor and skips
@@ -500,7 +501,7 @@ class AsyncRolloutLoop:
             if version is None:
                 room = self._room_for_group()
             else:  # the version that samples this position is published, and a step of the
-                # run can still train it (max_steps: `AsyncGRPOTrainer._position_limit`)
+                # call can still train it (`AsyncGRPOTrainer._position_limit`)
                 room = self.model_version.value >= version and self._trainable(position)
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
                     self.cap, self.config.num_generations):

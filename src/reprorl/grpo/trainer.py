@@ -708,14 +708,19 @@ class AsyncGRPOTrainer:
         self.worker.wait_started(MAIN_GUARD)
 
     def _position_limit(self) -> int:
-        """The first position no step of this run can train, under a fixed schedule ended by
-        max_steps (each step trains the next block, an empty block publishes a version and
-        trains none): the worker samples none from there on, so the run's last steps do not
-        share the server with blocks nobody trains. -1: no such bound."""
+        """The first position no step of this train() call can train, under a fixed schedule
+        whose last step is known (max_steps, or `interrupt_after_step`; each step trains the
+        next block, an empty block publishes a version and trains none): the worker samples
+        none from there on, so the last steps do not share the server with blocks nobody
+        trains here (a resume samples them again, from its checkpoint). -1: no such bound
+        (free-running, or epochs without an interrupt: the epochs' end bounds the worker)."""
         args, run = self.args, self.run
-        if args.schedule_lag is None or args.max_steps <= 0:
+        # an interrupt at or before a resumed run's step never fires: the run goes on
+        ends = [n for n in (args.max_steps, run.interrupt_after_step)
+                if n is not None and n > run.global_step]
+        if args.schedule_lag is None or not ends:
             return -1
-        return (run.version.value + args.max_steps - run.global_step) * args.groups_per_step
+        return (run.version.value + min(ends) - run.global_step) * args.groups_per_step
 
     def _sync_check(self, admin: ServerAdmin) -> SyncCheck:
         """The canary: the first row's prompt, rendered as the worker renders prompts."""
