@@ -330,21 +330,52 @@ def read_payload(inbox, started, out):
         out.put(pickle.loads(inbox.recv_bytes()))
 
 
+def read_two_parts(inbox, started, out):
+    """A worker that reads its payload and then one more part, as the rollout worker does,
+    and gives back what it read (or that the pipe ended first)."""
+    started.set()
+    with inbox:
+        first = pickle.loads(inbox.recv_bytes())
+        out.put(first)
+        try:
+            out.put(pickle.loads(inbox.recv_bytes()))
+        except EOFError:
+            out.put("the pipe ended")
+
+
 def leave_payload(inbox, started):
     """A worker that exits without reading its payload."""
     started.set()
 
 
 def test_the_payload_follows_the_start_and_a_worker_dying_unread_blocks_nothing():
-    """Arguments over a pipe's buffer reach a live worker; a worker that exits unread ends
-    the trainer's write (no thread left hanging); an unpicklable one fails before a spawn."""
+    """Arguments over a pipe's buffer reach a live worker, and a part sent later follows
+    them (the trainer sends it once its server serves; the worker's silence counts from
+    there, as it beats only once it has all); a stop before that part ends the
+    waiting worker's pipe, so it exits by itself; a worker that exits unread ends the
+    trainer's write (no thread left hanging); an unpicklable one fails before a spawn."""
     context = mp.get_context("spawn")
     payload = {"rows": ["x" * (1 << 17)]}
     signals = WorkerSignals.create(context)
     worker, out = WorkerHandle(context, signals, 60.0), context.Queue()
-    worker.start(read_payload, (signals.started, out), payload)
+    worker.start(read_two_parts, (signals.started, out), payload)
     worker.wait_started("unused")
     assert out.get(timeout=60) == payload
+    signals.heartbeat.value = time.time() - 1000  # the server took long to come up
+    worker.send({"config": "y" * (1 << 17)})
+    assert time.time() - signals.heartbeat.value < 60  # not hung: silent from the last part
+    assert out.get(timeout=60) == {"config": "y" * (1 << 17)}
+    worker.stop()
+
+    signals = WorkerSignals.create(context)
+    worker, out = WorkerHandle(context, signals, 60.0), context.Queue()
+    worker.start(read_two_parts, (signals.started, out), payload)
+    assert out.get(timeout=60) == payload  # read before any wait_started
+    process = worker.process
+    worker.close_outbox()
+    assert out.get(timeout=60) == "the pipe ended"
+    process.join(60)
+    assert process.exitcode == 0
     worker.stop()
 
     signals = WorkerSignals.create(context)

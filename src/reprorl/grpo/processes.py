@@ -1,11 +1,11 @@
 """The trainer's child processes: the rollout worker and the embedded generation server.
 
 Both die with the trainer (`die_with_parent`), so a killed trainer leaves neither behind.
-`WorkerHandle` spawns the worker with the GPU hidden, waits until it runs (a worker that dies
-while starting is reported at once), only then hands it its arguments through a pipe, and
-tells a failed worker (its traceback), a dead one (its exit code) and a hung one (no
-heartbeat) apart; `ServerProcess` starts `reprorl serve` and waits for the port file it
-writes once listening.
+`WorkerHandle` spawns the worker with the GPU hidden, hands it its arguments through a pipe
+once it runs (in parts: the trainer sends the last once its server serves), reports a worker
+that dies while starting, and tells a failed worker (its traceback), a dead one (its exit
+code) and a hung one (no heartbeat) apart; `ServerProcess` starts `reprorl serve` and waits
+for the port file it writes once listening.
 """
 
 from __future__ import annotations
@@ -74,11 +74,17 @@ class WorkerSignals:
                 "exception_info_queue": self.tracebacks, "stop_event": self.stop}
 
 
-def hand_over(writer, blob) -> None:
-    """Write the worker's pickled arguments; a worker that died unread ends the write (its
-    failure is the trainer's to report), and the pipe closes either way."""
+def hand_over(writer, parts: queue.Queue, started, process) -> None:
+    """Write the pickled parts from `parts` in order, once the worker runs (`started`: until
+    then the spawn may still hold a copy of the pipe's read end here, and a write to a worker
+    that died importing would wait for good); stop at a None, or at a worker that died first
+    or unread. The pipe closes either way."""
     try:
-        writer.send_bytes(blob)
+        while not started.wait(0.05):
+            if not process.is_alive():
+                return
+        while (blob := parts.get()) is not None:
+            writer.send_bytes(blob)
     except OSError:
         pass
     finally:
@@ -90,22 +96,22 @@ class WorkerHandle:
         self.context, self.signals = context, signals
         self.timeout = timeout  # seconds without a heartbeat before the worker counts as hung
         self.process = None
-        self.outbox = None  # (the pipe's write end, the pickled payload) until handed over
+        self.outbox: queue.Queue | None = None  # pickled parts for the hand-over thread
 
     def start(self, target, args: tuple, payload: Any = None) -> None:
         """Spawn `target(*args)`, or with a `payload` `target(inbox, *args)`: `args` holds
         what only a spawn may pass (queues, events, shared values) and stays small; `payload`
         (the loop's class and arguments) is pickled here, so an unpicklable argument fails in
-        the trainer, and is written to `inbox` (a pipe's read end) once the worker runs. Sent
-        with the spawn, arguments over a pipe's 64 KiB would block the trainer for good when
-        the worker dies importing the trainer's script: the worker never reads them, and the
-        trainer holds the spawn pipe's other end. This pipe's read end lives in the worker
+        the trainer, and a thread writes it to `inbox` (a pipe's read end) once the worker
+        runs, while the trainer goes on (it starts the server meanwhile); `send` adds parts.
+        Sent with the spawn, arguments over a pipe's 64 KiB would block the trainer for good
+        when the worker dies importing the trainer's script: the worker never reads them, and
+        the trainer holds the spawn pipe's other end. This pipe's read end lives in the worker
         alone, so a worker that dies unread breaks the write instead."""
-        inbox = None
+        inbox = writer = None
         if payload is not None:
             blob = ForkingPickler.dumps(payload)
             inbox, writer = self.context.Pipe(duplex=False)
-            self.outbox = (writer, blob)
             args = (inbox, *args)
         try:
             with gpu_hidden():
@@ -113,38 +119,53 @@ class WorkerHandle:
                                                name="rollout-worker", daemon=True)
                 process.start()
         except BaseException:
-            self.drop_outbox()
+            if writer is not None:
+                writer.close()
             raise
         finally:
             if inbox is not None:
                 inbox.close()  # the worker has its own copy
         self.process = process  # only once started: stop() joins it
+        if writer is not None:
+            self.outbox = queue.Queue()
+            self.outbox.put(blob)
+            threading.Thread(target=hand_over, name="worker-payload", daemon=True,
+                             args=(writer, self.outbox, self.signals.started, process)).start()
 
-    def drop_outbox(self) -> None:
-        """Close the payload's pipe if it was never handed over."""
+    def send(self, part: Any) -> None:
+        """One more part of the payload, written after the others (pickled here: an
+        unpicklable one fails in the trainer). A worker waiting for it beats no heartbeat
+        (its loop does, once built), so its silence counts from here: the server may have
+        taken longer than `timeout` to come up."""
+        blob = ForkingPickler.dumps(part)
+        self.signals.heartbeat.value = time.time()  # the worker writes it only once it runs
+        self.outbox.put(blob)
+
+    def close_outbox(self) -> None:
+        """No more parts: the hand-over thread closes the pipe once it has written the rest
+        (a worker still waiting for a part reads the end of the pipe)."""
         if self.outbox is not None:
-            self.outbox[0].close()
+            self.outbox.put(None)
             self.outbox = None
 
+    def check_starting(self, hint: str) -> None:
+        """Raise if the worker exited before it ran its own code: it failed while the spawn
+        imported the parent's script (its error went to stderr); say so, with `hint`, the
+        usual fix."""
+        if not self.signals.started.is_set() and not self.process.is_alive():
+            raise RuntimeError(
+                f"the rollout worker exited with code {self.process.exitcode} while "
+                f"starting, before any of its own code ran (its error is on stderr above): "
+                f"{hint}")
+
     def wait_started(self, hint: str) -> None:
-        """Return once the worker runs its own code, handing it the payload then (a thread
-        writes it: the trainer goes on while the worker reads); a worker that exits first
-        failed while the spawn imported the parent's script (its error went to stderr): say
-        so, with `hint`, the usual fix."""
+        """Return once the worker runs its own code (`check_starting` meanwhile)."""
         started = time.monotonic()
         while not self.signals.started.wait(0.05):
-            if not self.process.is_alive():
-                raise RuntimeError(
-                    f"the rollout worker exited with code {self.process.exitcode} while "
-                    f"starting, before any of its own code ran (its error is on stderr above): "
-                    f"{hint}")
+            self.check_starting(hint)
             if time.monotonic() - started > self.timeout:
                 raise RuntimeError(f"the rollout worker did not start within {self.timeout:g} s "
                                    "(rollout_worker_timeout)")
-        if self.outbox is not None:
-            threading.Thread(target=hand_over, args=self.outbox, name="worker-payload",
-                             daemon=True).start()
-            self.outbox = None
 
     @property
     def pid(self) -> int | None:
@@ -181,7 +202,7 @@ class WorkerHandle:
 
     def stop(self) -> None:
         """Ask the worker to stop, then terminate, then kill it, 10 s apart."""
-        self.drop_outbox()  # wait_started failed before handing it over
+        self.close_outbox()  # a worker waiting for its last part ends reading the pipe's end
         process, self.process = self.process, None
         if process is None:
             return
@@ -204,9 +225,10 @@ class ServerProcess:
         self.process: subprocess.Popen | None = None
         self.log = None
 
-    def start(self, timeout: float, env: dict[str, str] | None = None) -> str:
+    def start(self, timeout: float, env: dict[str, str] | None = None, watch=None) -> str:
         """Start it (with `env` added to this process's environment: secrets go there, not on
-        the command line that `ps` shows) and return its URL once it listens."""
+        the command line that `ps` shows) and return its URL once it listens; `watch()`,
+        called while it loads, may raise to stop waiting (the worker failed meanwhile)."""
         self.port_file.unlink(missing_ok=True)
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop)
         self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
@@ -220,6 +242,8 @@ class ServerProcess:
                                    f"{self.log_path.read_text()[-2000:]}")
             if time.monotonic() - started > timeout:
                 raise TimeoutError(f"the embedded server did not start; see {self.log_path}")
+            if watch is not None:
+                watch()
             time.sleep(0.1)
         return f"http://127.0.0.1:{int(self.port_file.read_text())}"
 

@@ -794,7 +794,10 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
     """Entry point of the spawned worker process (CPU only, its own event loop); `started`
     (an event) is set first thing, so the trainer can tell a failed spawn apart. The loop's
     class and arguments then arrive pickled through `inbox` (a pipe's read end:
-    `WorkerHandle.start`); `shared` adds the queues, events and values only a spawn may pass."""
+    `WorkerHandle.start`) in two parts: the loop's class and the arguments the trainer has
+    at once (read while the trainer starts the server), then those that name the server
+    and the policy (`config`, `lora_name`, `sampling_mask`); `shared` adds the queues,
+    events and values only a spawn may pass."""
     if started is not None:
         started.set()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -811,8 +814,12 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
     shared["rollout_buffer"].cancel_join_thread()
     shared["metrics_queue"].cancel_join_thread()
     try:
-        with inbox:
-            loop_cls, kwargs = pickle.loads(inbox.recv_bytes())
+        try:
+            with inbox:
+                loop_cls, kwargs = pickle.loads(inbox.recv_bytes())
+                kwargs.update(pickle.loads(inbox.recv_bytes()))
+        except EOFError:  # the trainer stopped before the rest (its server did not start)
+            return
         loop = loop_cls(**kwargs, **shared)
         asyncio.run(loop.run())
     except BaseException:

@@ -591,16 +591,21 @@ class AsyncGRPOTrainer:
         return run
 
     def _start_processes(self, run: TrainingRun) -> None:
-        """The server (embedded or given), the cold weight sync, then the worker."""
+        """The worker, spawned first (its imports and its first arguments overlap what
+        follows), the server (embedded or given), the cold weight sync, then the worker's
+        last arguments, which name the server and the policy: it samples from then on."""
         args = self.args
         shutil.rmtree(self.lora_dir, ignore_errors=True)
         self.lora_dir.mkdir(parents=True)  # the embedded server loads adapters from here only
+        self._spawn_worker(run)
         # the worker reads the URL and the key from the config it is given
         if args.embedded_server:
             args.vllm_server_api_key = secrets.token_urlsafe(32)  # this run's, nobody else's
             self.server = self._embedded_server()
+            # watch: a script without a main guard fails at once, not once the model loaded
             args.vllm_server_base_url = self.server.start(
-                args.vllm_server_timeout, {"VLLM_API_KEY": args.vllm_server_api_key})
+                args.vllm_server_timeout, {"VLLM_API_KEY": args.vllm_server_api_key},
+                watch=lambda: self.worker.check_starting(MAIN_GUARD))
         else:
             args.vllm_server_api_key = args.vllm_server_api_key or os.environ.get(
                 "VLLM_API_KEY")
@@ -639,7 +644,12 @@ class AsyncGRPOTrainer:
         for version, source in self._scheduled_versions(run.checkpoint):
             run.weights.publish(version, source)  # a resumed fixed schedule's older versions
         self._sync(current)  # cold: the server serves this policy before any rollout
-        self._spawn_worker(run)
+        run.allowance.value = float(  # before the first step: full rows
+            max(args.max_staleness, 1) * args.gradient_accumulation_steps
+            * run.batcher.capacity)
+        self.worker.wait_started(MAIN_GUARD)
+        self.worker.send({"config": args, "lora_name": run.weights.name,
+                          "sampling_mask": run.sampling_mask})
 
     def _batcher(self, setup: Setup) -> TokenBudgetBatcher:
         return TokenBudgetBatcher(setup.token_budget, self.args.per_device_train_batch_size,
@@ -678,9 +688,7 @@ class AsyncGRPOTrainer:
         # both sides update these two, under their locks; every other shared value has one
         # writer and no lock, so a worker killed mid-access cannot hang the trainer
         queued_tokens, queued_samples = context.Value("q", 0), context.Value("q", 0)
-        run.allowance = context.RawValue("d", float(  # before the first step: full rows
-            max(args.max_staleness, 1) * args.gradient_accumulation_steps
-            * run.batcher.capacity))
+        run.allowance = context.RawValue("d", 0.0)  # set with the server's token budget
         run.position_limit = context.RawValue("q", self._position_limit())
         signals = WorkerSignals.create(context)
         self.worker = WorkerHandle(context, signals, args.rollout_worker_timeout)
@@ -690,12 +698,11 @@ class AsyncGRPOTrainer:
                                   stall_positions=epoch_length(self.rows)
                                   or STREAM_STALL_POSITIONS,
                                   stall_timeout=args.stall_timeout)
-        kwargs = {
-            "config": args, "model_name": self.model_path, "dataset": self.rows,
+        kwargs = {  # the rest (config, lora_name, sampling_mask) once the server serves
+            "model_name": self.model_path, "dataset": self.rows,
             "reward_funcs": self.reward_funcs, "processing_class": self.tokenizer,
             "tools": self.tools, "environment_factory": self.environment_factory,
-            "eos_token_ids": self.eos_token_ids, "lora_name": run.weights.name,
-            "dataset_start_index": run.ledger.cursor, "sampling_mask": run.sampling_mask,
+            "eos_token_ids": self.eos_token_ids, "dataset_start_index": run.ledger.cursor,
             "consumed_after_cursor": sorted(run.ledger.consumed_after_cursor)}
         shared = {  # what only a spawn may pass: the rest follows once the worker runs
             "rollout_buffer": groups, "model_version_value": run.version,
@@ -705,7 +712,6 @@ class AsyncGRPOTrainer:
             **signals.worker_kwargs()}
         self.worker.start(run_rollout_loop, (shared, os.getpid(), signals.started),
                           (self.loop_cls, kwargs))
-        self.worker.wait_started(MAIN_GUARD)
 
     def _position_limit(self) -> int:
         """The first position no step of this train() call can train, under a fixed schedule
