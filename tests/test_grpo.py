@@ -809,18 +809,19 @@ def test_a_fixed_schedule_samples_no_block_past_the_calls_last_step(tiny_model, 
 
 @pytest.mark.parametrize("max_steps, interrupt, limit", [
     (-1, None, -1),  # epochs: their end bounds the worker
-    (5, None, (2 + 5 - 2) * 2),  # version 2 at step 2 (an empty block): 3 steps and 3 blocks
-    (-1, 3, (2 + 3 - 2) * 2),
-    (5, 3, (2 + 3 - 2) * 2),  # the nearer end
+    (5, None, (3 + 5 - 2) * 2),  # 3 steps to go; the next block is block 3 (one was empty)
+    (-1, 3, (3 + 3 - 2) * 2),
+    (5, 3, (3 + 3 - 2) * 2),  # the nearer end
     (-1, 2, -1),  # an interrupt at the resumed step never fires: the run goes on
-    (5, 1, (2 + 5 - 2) * 2),
+    (5, 1, (3 + 5 - 2) * 2),
+    (2, None, 3 * 2),  # max_steps reached (a final checkpoint resumed): no block at all
 ])
 def test_the_position_limit_is_the_calls_nearest_end_ahead(tiny_model, tmp_path, max_steps,
                                                            interrupt, limit):
     args = make_args(tmp_path, "out", schedule_lag=1, max_steps=max_steps)
     trainer = AsyncGRPOTrainer(model=str(tiny_model), reward_funcs=token_sum_reward, args=args,
                                train_dataset=make_rows(8), log=lambda m: None)
-    trainer.run = SimpleNamespace(version=SimpleNamespace(value=2), global_step=2,
+    trainer.run = SimpleNamespace(version=SimpleNamespace(value=3), global_step=2,
                                   interrupt_after_step=interrupt)
     assert trainer._position_limit() == limit
     trainer.args.schedule_lag = None  # free-running: no schedule to bound

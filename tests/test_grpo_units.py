@@ -410,6 +410,35 @@ def test_worker_stop_escalates_to_terminate_and_kill():
     polite.stop()
     assert process.calls == ["join"]
 
+    waiting, _ = handle()  # its server never served
+    waiting.start(target=print, args=())
+    waiting.waiting, process = True, waiting.process
+    waiting.stop()
+    assert process.calls == ["terminate", "join"]  # nothing to finish: no 10 s grace
+
+
+def test_a_worker_that_fails_while_the_server_loads_is_reported_then():
+    """`check_starting`, which the trainer calls while its server loads: a worker that ran
+    and then failed (reading its arguments) or died is reported, not only one that died
+    importing; a healthy one, started or not, passes, whatever its heartbeat says."""
+    worker, signals = handle()
+    worker.start(target=print, args=())
+    signals.heartbeat.value = time.time() - 1000
+    worker.check_starting("unused")  # not started yet, alive
+    signals.started.set()
+    worker.check_starting("unused")  # running, silent: it beats once it has its arguments
+    signals.tracebacks.put("Traceback ...\nModuleNotFoundError: No module named 'rewards'")
+    signals.failed.set()
+    with pytest.raises(RuntimeError, match="(?s)rollout worker failed:\nTraceback.*rewards"):
+        worker.check_starting("unused")
+
+    worker, signals = handle()
+    worker.start(target=print, args=())
+    signals.started.set()
+    worker.process.alive, worker.process.exitcode = False, -9
+    with pytest.raises(RuntimeError, match="exited with code -9 without a traceback"):
+        worker.check_starting("unused")
+
 
 # ---------------------------------------------------------------- weight versions
 

@@ -81,6 +81,8 @@ def hand_over(writer, parts: queue.Queue, started, process) -> None:
     or unread. The pipe closes either way."""
     try:
         while not started.wait(0.05):
+            # beside the trainer's own is_alive: whichever thread loses the waitpid race
+            # sees the process alive once more and asks again next round
             if not process.is_alive():
                 return
         while (blob := parts.get()) is not None:
@@ -97,6 +99,7 @@ class WorkerHandle:
         self.timeout = timeout  # seconds without a heartbeat before the worker counts as hung
         self.process = None
         self.outbox: queue.Queue | None = None  # pickled parts for the hand-over thread
+        self.waiting = False  # the worker waits for the last part of its arguments
 
     def start(self, target, args: tuple, payload: Any = None) -> None:
         """Spawn `target(*args)`, or with a `payload` `target(inbox, *args)`: `args` holds
@@ -127,19 +130,20 @@ class WorkerHandle:
                 inbox.close()  # the worker has its own copy
         self.process = process  # only once started: stop() joins it
         if writer is not None:
-            self.outbox = queue.Queue()
+            self.outbox, self.waiting = queue.Queue(), True
             self.outbox.put(blob)
             threading.Thread(target=hand_over, name="worker-payload", daemon=True,
                              args=(writer, self.outbox, self.signals.started, process)).start()
 
-    def send(self, part: Any) -> None:
+    def send(self, part: Any, last: bool = True) -> None:
         """One more part of the payload, written after the others (pickled here: an
-        unpicklable one fails in the trainer). A worker waiting for it beats no heartbeat
-        (its loop does, once built), so its silence counts from here: the server may have
-        taken longer than `timeout` to come up."""
+        unpicklable one fails in the trainer). A worker waiting for the last beats no
+        heartbeat (its loop does, once built), so its silence counts from here: the server
+        may have taken longer than `timeout` to come up."""
         blob = ForkingPickler.dumps(part)
         self.signals.heartbeat.value = time.time()  # the worker writes it only once it runs
         self.outbox.put(blob)
+        self.waiting = not last
 
     def close_outbox(self) -> None:
         """No more parts: the hand-over thread closes the pipe once it has written the rest
@@ -151,12 +155,15 @@ class WorkerHandle:
     def check_starting(self, hint: str) -> None:
         """Raise if the worker exited before it ran its own code: it failed while the spawn
         imported the parent's script (its error went to stderr); say so, with `hint`, the
-        usual fix."""
-        if not self.signals.started.is_set() and not self.process.is_alive():
+        usual fix. Or if it ran and failed (reading its arguments) or died since."""
+        alive = self.process.is_alive()
+        if not self.signals.started.is_set() and not alive:
             raise RuntimeError(
                 f"the rollout worker exited with code {self.process.exitcode} while "
                 f"starting, before any of its own code ran (its error is on stderr above): "
                 f"{hint}")
+        if self.failed or not alive:  # `failure` says which; no heartbeat to judge yet
+            raise RuntimeError(self.failure())
 
     def wait_started(self, hint: str) -> None:
         """Return once the worker runs its own code (`check_starting` meanwhile)."""
@@ -201,13 +208,16 @@ class WorkerHandle:
             raise RuntimeError(failure)
 
     def stop(self) -> None:
-        """Ask the worker to stop, then terminate, then kill it, 10 s apart."""
-        self.close_outbox()  # a worker waiting for its last part ends reading the pipe's end
+        """Ask the worker to stop, then terminate, then kill it, 10 s apart; one still
+        waiting for its arguments has nothing to finish and is terminated at once."""
+        waiting = self.waiting
+        self.close_outbox()
         process, self.process = self.process, None
         if process is None:
             return
         self.signals.stop.set()
-        process.join(timeout=10)
+        if not waiting:
+            process.join(timeout=10)
         if process.is_alive():
             process.terminate()
             process.join(timeout=10)

@@ -814,12 +814,13 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
     shared["rollout_buffer"].cancel_join_thread()
     shared["metrics_queue"].cancel_join_thread()
     try:
-        try:
-            with inbox:
-                loop_cls, kwargs = pickle.loads(inbox.recv_bytes())
-                kwargs.update(pickle.loads(inbox.recv_bytes()))
-        except EOFError:  # the trainer stopped before the rest (its server did not start)
-            return
+        with inbox:
+            loop_cls, kwargs = pickle.loads(inbox.recv_bytes())
+            try:
+                last = inbox.recv_bytes()
+            except EOFError:  # the trainer stopped before its server served: nothing to do
+                return
+        kwargs.update(pickle.loads(last))
         loop = loop_cls(**kwargs, **shared)
         asyncio.run(loop.run())
     except BaseException:

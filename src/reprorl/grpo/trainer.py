@@ -418,8 +418,9 @@ def record_rows(w: MetricsWindow, batch: MicroBatch, token_budget: int) -> None:
 @dataclass
 class TrainingRun:
     """The state of one `train()` call. The fields up to `window` exist before any process
-    starts (a resume restores them from the checkpoint); the rest once the server and the
-    worker run."""
+    starts (a resume restores them from the checkpoint); the rest as the worker is spawned
+    (`samples`, `allowance`, 0 until the server's token budget is known, `position_limit`,
+    `worker_metrics`) and the server serves (`weights`, `batcher`, `sampling_mask`)."""
 
     optimizer: torch.optim.Optimizer
     identity: dict  # what a checkpoint shares with the run that resumes it
@@ -721,9 +722,9 @@ class AsyncGRPOTrainer:
         trains here (a resume samples them again, from its checkpoint). -1: no such bound
         (free-running, or epochs without an interrupt: the epochs' end bounds the worker)."""
         args, run = self.args, self.run
-        # an interrupt at or before a resumed run's step never fires: the run goes on
-        ends = [n for n in (args.max_steps, run.interrupt_after_step)
-                if n is not None and n > run.global_step]
+        ends, interrupt = [args.max_steps] if args.max_steps > 0 else [], run.interrupt_after_step
+        if interrupt is not None and interrupt > run.global_step:  # else it never fires
+            ends.append(interrupt)
         if args.schedule_lag is None or not ends:
             return -1
         return (run.version.value + min(ends) - run.global_step) * args.groups_per_step
