@@ -809,9 +809,9 @@ class Engine(threading.Thread):
             return mask.to(self.device)
 
         # a rank whose batched products change with the stack runs each adapter on its own
-        stacking = []
+        stacking, stacked = [], self.stacked  # asked once a forward, not once an adapter
         for adapter, rows in by_adapter:
-            if self.stacked and self.stacks_rank(adapter.rank):
+            if stacked and self.stacks_rank(adapter.rank):
                 stacking.append((adapter, rows))
                 continue
             kept = keep(rows)

@@ -106,7 +106,7 @@ class WorkerHandle:
         what only a spawn may pass (queues, events, shared values) and stays small; `payload`
         (the loop's class and arguments) is pickled here, so an unpicklable argument fails in
         the trainer, and a thread writes it to `inbox` (a pipe's read end) once the worker
-        runs, while the trainer goes on (it starts the server meanwhile); `send` adds parts.
+        runs, while the trainer goes on (it starts the server meanwhile); `send` writes the rest.
         Sent with the spawn, arguments over a pipe's 64 KiB would block the trainer for good
         when the worker dies importing the trainer's script: the worker never reads them, and
         the trainer holds the spawn pipe's other end. This pipe's read end lives in the worker
@@ -135,15 +135,15 @@ class WorkerHandle:
             threading.Thread(target=hand_over, name="worker-payload", daemon=True,
                              args=(writer, self.outbox, self.signals.started, process)).start()
 
-    def send(self, part: Any, last: bool = True) -> None:
-        """One more part of the payload, written after the others (pickled here: an
-        unpicklable one fails in the trainer). A worker waiting for the last beats no
-        heartbeat (its loop does, once built), so its silence counts from here: the server
-        may have taken longer than `timeout` to come up."""
+    def send(self, part: Any) -> None:
+        """The last part of the payload, written after the first (pickled here: an
+        unpicklable one fails in the trainer). A worker waiting for it beats no heartbeat
+        (its loop does, once built), so its silence counts from here: the server may have
+        taken longer than `timeout` to come up."""
         blob = ForkingPickler.dumps(part)
         self.signals.heartbeat.value = time.time()  # the worker writes it only once it runs
         self.outbox.put(blob)
-        self.waiting = not last
+        self.waiting = False
 
     def close_outbox(self) -> None:
         """No more parts: the hand-over thread closes the pipe once it has written the rest

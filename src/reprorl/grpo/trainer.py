@@ -722,7 +722,8 @@ class AsyncGRPOTrainer:
         trains here (a resume samples them again, from its checkpoint). -1: no such bound
         (free-running, or epochs without an interrupt: the epochs' end bounds the worker)."""
         args, run = self.args, self.run
-        ends, interrupt = [args.max_steps] if args.max_steps > 0 else [], run.interrupt_after_step
+        ends = [args.max_steps] if args.max_steps > 0 else []
+        interrupt = run.interrupt_after_step
         if interrupt is not None and interrupt > run.global_step:  # else it never fires
             ends.append(interrupt)
         if args.schedule_lag is None or not ends:
