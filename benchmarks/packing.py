@@ -18,7 +18,7 @@ Compared, on the same samples: packed, `TokenBudgetBatcher` with the pipeline's 
 (8 rows of token_budget = the embedded server's max_model_len, limits.context_tokens = 320);
 padded, `pad_collate`, one left-padded row per sample in one micro-batch (the layout before
 packing). Each side runs collate + forward + backward of the real GRPO loss
-(`trainer.microbatch_loss`, score centering), alternating packed and padded, `--repeats` times
+(`objective.microbatch_loss`, score centering), alternating packed and padded, `--repeats` times
 over `--steps` steps after a warm-up, on `--threads` torch threads (default 1: the pipeline's
 GRPO stage gives its trainer the cores the embedded server leaves, one of two). The trained
 tokens are the same on both sides, so the speedup is padded seconds over packed seconds;
@@ -47,8 +47,9 @@ from reprorl.encoding import chat_prompt
 from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
 from reprorl.grpo.loss import group_advantages
+from reprorl.grpo.objective import microbatch_loss
+from reprorl.grpo.policy import disable_dropout
 from reprorl.grpo.rollout import Sample, TrainingSequence
-from reprorl.grpo.trainer import disable_dropout, microbatch_loss
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -32,7 +32,7 @@ from reprorl import config as configuration
 from reprorl.encoding import load_tokenizer
 from reprorl.engine import Adapter, Engine, Params, Sequence
 from reprorl.grpo.rollout import prompt_token_ids
-from reprorl.grpo.server import install_switches
+from reprorl.grpo.server_weights import install_switches
 from reprorl.grpo_run import dataset
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -558,7 +558,7 @@ def test_reward_models_by_id_or_object_are_refused_up_front():
 def test_peft_config_is_honoured_or_refused_field_by_field():
     from peft import LoraConfig
 
-    from reprorl.grpo.trainer import refuse_unsupported_peft
+    from reprorl.grpo.policy import refuse_unsupported_peft
 
     refuse_unsupported_peft(None)
     refuse_unsupported_peft(LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))

@@ -157,7 +157,7 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
     from torch import nn
 
     from reprorl.engine import Adapter, Engine
-    from reprorl.grpo.server import Switch
+    from reprorl.grpo.server_weights import Switch
     from reprorl.lora import with_adapter
 
     base = nn.Linear(64, 32)
@@ -190,7 +190,7 @@ def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(o
     whose batched products change with the stack (`rows_invariant` at that rank) runs each
     adapter on its own."""
     from reprorl.engine import Adapter, Engine, Params, Sequence
-    from reprorl.grpo.server import install_switches
+    from reprorl.grpo.server_weights import install_switches
 
     torch.manual_seed(1)
     config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,

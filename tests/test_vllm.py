@@ -301,7 +301,7 @@ def test_full_model_training_syncs_merged_weights_to_vllm(dev_server, untied_mod
     both sides; at its end the run puts the server's starting weights back."""
     from transformers import AutoModelForCausalLM
 
-    from reprorl.grpo.trainer import sequence_logprobs
+    from reprorl.grpo.objective import sequence_logprobs
     from reprorl.grpo.weights import SyncCheck
 
     trainer = AsyncGRPOTrainer(model=str(untied_model), reward_funcs=token_sum_reward,

@@ -23,6 +23,8 @@ aligned to each sample's end, so every per-token tensor of the loss is the same 
 layout; `index` maps each column to the kept logits that predict it (all forwards' kept
 logits, in order). `pad_collate` builds that padded layout, one forward of left-padded rows,
 one per sample: the reference the tests and `benchmarks/packing.py` compare packing against.
+`record_rows` logs a micro-batch's row metrics (`batch/...`), measured on the rows it
+forwarded.
 
 Departures from the source document (TRL's TokenBudgetBatcher): one process runs a
 micro-batch's rows one forward after the other, where the document's ranks run one row each
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ..encoding import OnDevice
+from .metrics import MetricsWindow
 from .packing import Row, attention_pairs, lay_out
 
 
@@ -296,3 +299,21 @@ def pad_collate(samples: list, top_k: int, pad_id: int) -> MicroBatch:
                       row_costs=[attention_pairs(length)] * rows, sample_tokens=total,
                       padding=rows * length - total,
                       trained_positions=int(columns["trained"].sum()))
+
+
+def record_rows(w: MetricsWindow, batch: MicroBatch, token_budget: int) -> None:
+    """The seed's row metrics of one micro-batch, measured on the rows it forwarded: per row,
+    its samples, tokens and the share of token_budget they use; per micro-batch, the padding
+    in what was forwarded (none in tree rows), the tokens before packing per forwarded token,
+    the forwarded tokens that are not trained, and the costliest row's attention cost over the
+    mean (what a rank running the cheaper rows would wait for)."""
+    for samples, tokens in zip(batch.row_samples, batch.row_tokens):
+        w.add("batch/samples_per_row", samples)
+        w.add("batch/row_tokens_mean", tokens)
+        w.add("batch/row_tokens_max", tokens)
+        w.add("batch/row_fill_frac", tokens / token_budget)
+    forwarded, costs = batch.forwarded_tokens, batch.row_costs
+    w.add("batch/pad_frac", batch.padding / forwarded)
+    w.add("batch/packing_ratio", batch.sample_tokens / forwarded)
+    w.add("batch/masked_token_frac", 1 - batch.trained_positions / forwarded)
+    w.add("batch/row_imbalance", max(costs) / (sum(costs) / len(costs)))

@@ -5,8 +5,8 @@ The trainer (this process) owns the policy, the optimizer and the weight version
 `vllm serve`, or `reprorl serve` started here when `embedded_server=True`) samples.
 Per optimizer step: take `gradient_accumulation_steps` micro-batches from the queue (samples
 more than `max_staleness` versions old are dropped), each up to `per_device_train_batch_size`
-tree-packed rows of `token_budget` tokens (`batching.py`), compute the loss of `loss.py`, step
-AdamW, set the worker's token allowance, and every `weight_sync_steps` steps publish a new
+tree-packed rows of `token_budget` tokens (`batching.py`), compute their loss (`objective.py`),
+step AdamW, set the worker's token allowance, and every `weight_sync_steps` steps publish a new
 version under `<output_dir>/.vllm_lora/v<N>/`: a LoRA policy as a PEFT adapter loaded by name,
 `max_staleness + 1` versions kept live (`AdapterVersions`); a full-model policy
 (`use_peft=False`) as full weights reloaded in place, one version served (`MergedVersions`).
@@ -14,7 +14,8 @@ The parts: `SampleQueue` (micro-batches off the worker's queue), `PositionLedger
 cursor), `WorkerHandle` / `ServerProcess` (the child processes), `AdapterVersions` /
 `MergedVersions` (weight versions), `Ranks` (`distributed.py`: under torchrun, rank 0 runs all
 of the above and deals each step's micro-batches to the other ranks, which train beside it
-with DDP); the per-run state is one `TrainingRun`.
+with DDP), and the policy's loading, adapter and saving (`policy.py`); the per-run state is
+one `TrainingRun`.
 
 Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of `lora_rank`
 unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter (TRL merges it
@@ -51,8 +52,6 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import devices, lora
-from ..encoding import mask_for
-from ..engine import penalise_repeats
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from . import server as embedded_server  # started by module name; imported for the code hash
 from .agents import (
@@ -62,7 +61,7 @@ from .agents import (
     probe_environments,
     tool_name,
 )
-from .batching import MicroBatch, TokenBudgetBatcher
+from .batching import MicroBatch, TokenBudgetBatcher, record_rows
 from .client import ServerAdmin
 from .config import AsyncGRPOConfig
 from .distributed import (
@@ -77,14 +76,17 @@ from .distributed import (
 )
 from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
-from .loss import (
-    centered_score_loss,
-    clip_fractions,
-    clipped_surrogate_loss,
-    importance_weights,
-    token_mean,
-)
 from .metrics import MetricsLog, MetricsWindow, console_line
+from .objective import microbatch_loss, sequence_logprobs
+from .policy import (
+    checkpointing,
+    checkpointing_on,
+    disable_dropout,
+    load_full_into,
+    load_policy,
+    make_trainable,
+    save_full,
+)
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import (
     AsyncRolloutLoop,
@@ -103,35 +105,6 @@ LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() 
 
 def _terminate(signum, frame):
     raise SystemExit(128 + signum)  # unwinds train(), which stops the worker and the server
-
-
-def disable_dropout(model) -> None:
-    """Training mode (gradient checkpointing needs it) without dropout's noise, as TRL does."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-def checkpointing(model, on: bool) -> None:
-    """Activation (gradient) checkpointing on or off; transformers 5 renamed the methods."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        if on:
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.activation_checkpointing_disable()
-    elif on:
-        model.gradient_checkpointing_enable({"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-
-
-def checkpointing_on(model) -> bool:
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
 
 
 MAIN_GUARD = ('put the code that builds and trains the trainer under `if __name__ == '
@@ -171,248 +144,6 @@ def reward_functions(reward_funcs) -> list:
         if not callable(func):
             raise TypeError(f"reward_funcs got a {type(func).__name__}, which is not callable")
     return funcs
-
-
-# The LoRA this engine trains (`lora.inject`): PEFT's defaults, on every projection. A
-# peft_config's r and lora_alpha are honoured; any other field must have this value.
-PEFT_AS_TRAINED = {
-    "peft_type": "LORA", "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
-    "use_dora": False, "modules_to_save": None, "init_lora_weights": True,
-    "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
-    "alpha_pattern": {}, "fan_in_fan_out": False, "exclude_modules": None,
-    "trainable_token_indices": None, "lora_bias": False, "layer_replication": None,
-    "target_parameters": None, "use_qalora": False,
-}
-
-
-def refuse_unsupported_peft(peft_config) -> None:
-    """Raise ValueError naming each field of `peft_config` (PEFT's LoraConfig) that the
-    engine would not honour; its target_modules must be the seven projections."""
-    if peft_config is None:
-        return
-    problems = []
-    for name, wanted in PEFT_AS_TRAINED.items():
-        value = getattr(peft_config, name, wanted)
-        value = getattr(value, "value", value)  # PeftType.LORA -> "LORA"
-        if (value or None) != (wanted or None) and value != wanted:
-            problems.append(f"{name}={value!r} (supported: {wanted!r})")
-    targets = getattr(peft_config, "target_modules", None)
-    if targets != "all-linear" and (
-            isinstance(targets, str) or set(targets or ()) != set(lora.TARGETS)):
-        problems.append(f"target_modules={targets!r} (supported: 'all-linear' or the seven "
-                        f"projections {list(lora.TARGETS)}; None would let PEFT pick the "
-                        "model type's default, q_proj and v_proj for Qwen2)")
-    if problems:
-        raise ValueError("peft_config: " + "; ".join(problems) + ". This engine trains a LoRA "
-                         "of rank r and lora_alpha on every projection with PEFT's other "
-                         "defaults: drop those fields or set them as said")
-
-
-def lora_settings(model) -> tuple[int, float] | None:
-    for module in model.modules():
-        if isinstance(module, lora.LoRALinear):
-            return module.rank, module.alpha
-    return None
-
-
-def save_full(model, directory: Path) -> None:
-    """The whole policy as `save_pretrained` writes it (what vLLM reloads), atomically."""
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a bar per sync would flood the run's log
-    try:
-        with atomic_directory(directory) as scratch:
-            model.save_pretrained(scratch)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-
-
-def load_full_into(model, directory: Path) -> None:
-    """Weights written by `save_full`, checked against the model as the server checks them."""
-    targets = embedded_server.weight_targets(model)
-    try:
-        tensors = embedded_server.read_weights(str(directory), targets, [])
-    except embedded_server.ApiError as error:
-        raise ValueError(f"checkpoint {directory}: {error.message}") from error
-    embedded_server.copy_weights(targets, tensors)
-
-
-def refuse_full_with_adapter(model, peft_config, lora_path) -> None:
-    """use_peft=False trains the model's own weights: an adapter anywhere is a contradiction."""
-    given = [what for what, there in (("peft_config", peft_config is not None),
-                                      ("lora_path", lora_path is not None),
-                                      ("a model with LoRA layers", lora_settings(model)))
-             if there]
-    if given:
-        raise ValueError(f"use_peft=False trains the full model, but {' and '.join(given)} "
-                         "was given: drop it, or set use_peft=True to train a LoRA adapter")
-
-
-def load_policy(model, args: AsyncGRPOConfig):
-    """A model object as given, or a path loaded with the config's dtype and init kwargs;
-    returns (model, its path)."""
-    if not isinstance(model, str):
-        return model, str(model.name_or_path)
-    from transformers import AutoModelForCausalLM
-
-    kwargs = dict(args.model_init_kwargs or {})
-    kwargs.setdefault("dtype", args.dtype if args.dtype == "auto" else getattr(torch, args.dtype))
-    return AutoModelForCausalLM.from_pretrained(
-        model, local_files_only=True, trust_remote_code=args.trust_remote_code, **kwargs), model
-
-
-def kept_logits(model, batch: MicroBatch, forward=None) -> torch.Tensor:
-    """The logits the loss reads, (sum of R * N over the forwards, V): each forward's kept
-    positions, forward after forward (`batch.index` counts in that order). `forward`: the
-    module to call (DDP's wrapper across ranks), `model` by default."""
-    return torch.cat([(forward or model)(
-        input_ids=f.input_ids, attention_mask=mask_for(model, f.attention_mask),
-        position_ids=f.position_ids, use_cache=False, logits_to_keep=f.keep,
-    ).logits.flatten(0, 1) for f in batch.forwards])
-
-
-def autocast_for(args: AsyncGRPOConfig, device: torch.device):
-    return (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16
-            else contextlib.nullcontext())
-
-
-def sequence_logprobs(model, args: AsyncGRPOConfig, prompt_ids: list[int],
-                      output_ids: list[int]) -> list[float]:
-    """log pi(output | prompt) per output token at the run's temperature, as the loss scores
-    it without truncation or repetition penalty, which the canary's requests do not use (one
-    unpadded sequence, no gradient, no RNG drawn): the weight-sync canary's side."""
-    device = devices.of(model)
-    ids = torch.tensor([list(prompt_ids) + list(output_ids)], device=device)
-    with torch.no_grad(), autocast_for(args, device):
-        logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
-    scores = (logits.float() / args.temperature).log_softmax(-1)
-    targets = torch.tensor(output_ids, device=device).unsqueeze(-1)
-    return scores.gather(-1, targets).squeeze(-1).tolist()
-
-
-def candidate_logmass(scores: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-    """log of the probability mass of each column's candidate set under `scores`, (B, W).
-
-    With top-k/top-p/min-p the sampler drew each token from a candidate set, renormalised
-    (its processed log-probs); the policy's log-prob of the token must be renormalised over
-    the same set, or every importance ratio is biased low by that mass (the seed's "top-k and
-    top-p sampling"). Columns without a set get 0: the whole vocabulary."""
-    if batch.candidates is None:
-        return torch.zeros_like(scores[..., 0])
-    inside = scores.gather(-1, batch.candidates).masked_fill(~batch.candidates_valid,
-                                                             float("-inf"))
-    return torch.where(batch.candidates_valid.any(-1), inside.logsumexp(-1), 0.0)
-
-
-def penalise_columns(columns: torch.Tensor, batch: MicroBatch, penalty: float) -> torch.Tensor:
-    """The (B, W, V) column logits under the server's repetition penalty: each column's
-    logits of the tokens before it in its sample penalised (`engine.penalise_repeats`). Only
-    the ids the batch holds are gathered, penalised and scattered back: one (B, W, V) copy
-    more, not a (B, W, V) mask and its temporaries (V is 151,936 for Qwen)."""
-    tokens, width = batch.seen_ids, columns.shape[1]
-    rows, real = len(tokens), tokens >= 0
-    # token i of a sample of n tokens comes before columns i + W + 1 - n on (column c holds
-    # token n - W + c)
-    device = tokens.device
-    after = torch.arange(tokens.shape[1], device=device) + width + 1 - real.sum(1, keepdim=True)
-    ids = tokens[real].unique()  # sorted
-    where = torch.searchsorted(ids, tokens.clamp(min=0)).masked_fill(~real, len(ids))
-    # pads: a dropped column
-    first = torch.full((rows, len(ids) + 1), width, dtype=torch.long, device=device)
-    first.scatter_reduce_(1, where, after.clamp(min=0), "amin")
-    seen = first[:, None, :-1] <= torch.arange(width, device=device)[None, :, None]  # (B, W, U)
-    index = ids.expand(rows, width, -1)
-    return columns.scatter(-1, index, penalise_repeats(columns.gather(-1, index), seen,
-                                                       penalty))
-
-
-def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
-                    trained_tokens: int | None = None, forward=None
-                    ) -> tuple[torch.Tensor, dict]:
-    """The micro-batch's loss (`loss.py`: its trained tokens' terms summed, divided by their
-    count, or by `trained_tokens`, those of its slot on every rank) and the seed's sampling
-    metrics. The forwards run on the batch's layout (tree rows, or padded rows); their kept
-    logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every per-token
-    quantity below is computed per trained token, whatever the layout."""
-    with autocast_for(args, batch.targets.device):
-        logits = kept_logits(model, batch, forward)
-    # Unpenalised: log_softmax on the kept positions once, then one copy per column.
-    # index_select, not `[batch.index]`: several columns read one position (a shared fork
-    # token, the untrained columns), and the backward of advanced indexing accumulates them
-    # with CPU atomics once the tensor is large (measured: multi-turn rows of ~500 tokens
-    # trained to other bits run to run); index_select's backward, index_add_, adds in order
-    if args.repetition_penalty == 1:
-        flat = (logits.float() / args.temperature).log_softmax(-1)
-        scores = flat.index_select(0, batch.index.reshape(-1)).reshape(*batch.index.shape, -1)
-    else:  # the penalty depends on each column's own prefix: per column, then log_softmax
-        columns = logits.float().index_select(0, batch.index.reshape(-1))
-        columns = penalise_columns(columns.reshape(*batch.index.shape, -1), batch,
-                                   args.repetition_penalty)
-        scores = (columns / args.temperature).log_softmax(-1)
-    logp = scores.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    mass = candidate_logmass(scores, batch)  # 0 where a column was sampled from everything
-    logp = logp - mass
-    ratio, keep = importance_weights(logp.detach(), batch.sampler_logp,
-                                     args.vllm_importance_sampling_clip_min,
-                                     args.vllm_importance_sampling_clip_max)
-    keep = keep & batch.trained
-    if args.score_centering:
-        topk_logp = scores.gather(-1, batch.top_ids) - mass.unsqueeze(-1)
-        per_token = centered_score_loss(logp, topk_logp, batch.top_sampler_logp,
-                                        batch.advantages, ratio, keep)
-    else:
-        per_token = clipped_surrogate_loss(logp, batch.sampler_logp, batch.advantages, keep,
-                                           args.epsilon, args.epsilon_high)
-    with torch.no_grad():
-        stats = loss_stats(args, batch, scores, logp.detach(), ratio, keep)
-    if trained_tokens is None:
-        return token_mean(per_token, batch.trained), stats
-    return (per_token * batch.trained).sum() / max(trained_tokens, 1), stats
-
-
-def loss_stats(args: AsyncGRPOConfig, batch: MicroBatch, scores, logp, ratio,
-               keep) -> dict[str, list]:
-    """Per-token (per-completion for clip_ratio) values of the seed's sampling metrics."""
-    t = batch.trained
-    diff = (logp - batch.sampler_logp).abs()[t].tolist()
-    ratios = ratio[t].tolist()
-    clipped = clip_fractions(ratio, batch.advantages, t, args.epsilon, args.epsilon_high)
-    low, high = clipped["low"].tolist(), clipped["high"].tolist()
-    stats = {
-        "sampling/sampling_logp_difference/mean": diff,
-        "sampling/sampling_logp_difference/max": diff,
-        "sampling/importance_sampling_ratio/min": ratios,
-        "sampling/importance_sampling_ratio/mean": ratios,
-        "sampling/importance_sampling_ratio/max": ratios,
-        "sampling/masked_mean": (~keep[t]).float().tolist(),
-        "entropy": (-(scores.exp() * scores).sum(-1)[t]).tolist(),
-        "clip_ratio/region_mean": clipped["region"].tolist(),
-        "clip_ratio/low_mean": low, "clip_ratio/low_min": low,
-        "clip_ratio/high_mean": high, "clip_ratio/high_max": high,
-    }
-    if args.score_centering:
-        stats["sampling/sampler_mass"] = batch.top_sampler_logp.exp().sum(-1)[t].tolist()
-    return stats
-
-
-def record_rows(w: MetricsWindow, batch: MicroBatch, token_budget: int) -> None:
-    """The seed's row metrics of one micro-batch, measured on the rows it forwarded: per row,
-    its samples, tokens and the share of token_budget they use; per micro-batch, the padding
-    in what was forwarded (none in tree rows), the tokens before packing per forwarded token,
-    the forwarded tokens that are not trained, and the costliest row's attention cost over the
-    mean (what a rank running the cheaper rows would wait for)."""
-    for samples, tokens in zip(batch.row_samples, batch.row_tokens):
-        w.add("batch/samples_per_row", samples)
-        w.add("batch/row_tokens_mean", tokens)
-        w.add("batch/row_tokens_max", tokens)
-        w.add("batch/row_fill_frac", tokens / token_budget)
-    forwarded, costs = batch.forwarded_tokens, batch.row_costs
-    w.add("batch/pad_frac", batch.padding / forwarded)
-    w.add("batch/packing_ratio", batch.sample_tokens / forwarded)
-    w.add("batch/masked_token_frac", 1 - batch.trained_positions / forwarded)
-    w.add("batch/row_imbalance", max(costs) / (sum(costs) / len(costs)))
 
 
 @dataclass
@@ -498,20 +229,7 @@ class AsyncGRPOTrainer:
         self.tokenizer = processing_class
         if self.tools or factories:
             check_prefix_preserving(self.tokenizer, self.args.chat_template_kwargs)
-        if not self.args.use_peft:
-            refuse_full_with_adapter(model, peft_config, lora_path)
-            for parameter in model.parameters():  # the full model: every weight trains
-                parameter.requires_grad_(True)
-            self.rank = self.alpha = None
-        else:
-            if lora_settings(model) is None:  # fresh adapter: peft_config, else the config's r
-                refuse_unsupported_peft(peft_config)
-                rank = getattr(peft_config, "r", self.args.lora_rank)
-                alpha = getattr(peft_config, "lora_alpha", self.args.lora_alpha)
-                lora.inject(model, rank, alpha, self.args.seed)
-            if lora_path is not None:
-                lora.load_peft_into(model, lora_path)
-            self.rank, self.alpha = lora_settings(model)
+        self.rank, self.alpha = make_trainable(model, self.args, peft_config, lora_path)
         self.output_dir = Path(self.args.output_dir)
         self.lora_dir = self.output_dir / ".vllm_lora"
         eos = self.tokenizer.eos_token_id
