@@ -49,7 +49,7 @@ from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
 from reprorl.grpo.loss import group_advantages
 from reprorl.grpo.objective import microbatch_loss
 from reprorl.grpo.policy import disable_dropout
-from reprorl.grpo.rollout import Sample, TrainingSequence
+from reprorl.grpo.samples import Sample, TrainingSequence
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -27,7 +27,8 @@ from reprorl.grpo.agents import (
     parse_tool_calls,
     probe_environments,
 )
-from reprorl.grpo.rollout import AsyncRolloutLoop, TurnRecord, reconcile_turns
+from reprorl.grpo.rollout import AsyncRolloutLoop
+from reprorl.grpo.samples import TurnRecord, reconcile_turns
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the spawned worker inherits sys.path
@@ -264,7 +265,7 @@ def test_calls_run_sync_async_and_fail_without_stopping_the_rollout():
 def test_every_reward_source_counts_also_two_of_one_name():
     """Two partials of one function are two sources (their metrics share a name); an
     environment's get_reward and Rollout.reward are summed with them."""
-    from reprorl.grpo.rollout import RolloutGroup
+    from reprorl.grpo.samples import RolloutGroup
 
     loop = AsyncRolloutLoop.__new__(AsyncRolloutLoop)  # _reward reads these three only
     loop.reward_funcs = [functools.partial(scaled, k=1.0), functools.partial(scaled, k=10.0)]
@@ -540,7 +541,7 @@ def test_routing_failing_and_slow_tools_and_a_template_that_forks(tool_caller, t
     assert sum(w["tools/increment/failure_count"] for w in lines) > 0
     assert any(0 < w["tools/failure_frequency"] for w in lines)
     # every rollout that called a tool was re-rendered differently: two samples
-    from reprorl.grpo.rollout import reconcile_turns as reconcile
+    from reprorl.grpo.samples import reconcile_turns as reconcile
 
     multi = [r for r in rollouts if len(r["turns"]) > 1]
     assert multi

@@ -19,15 +19,9 @@ from reprorl.grpo.loss import (
     token_mean,
 )
 from reprorl.grpo.metrics import MetricsWindow, rule
-from reprorl.grpo.rollout import (
-    Sample,
-    TrainingSequence,
-    TurnRecord,
-    has_room,
-    is_stale,
-    reconcile_turns,
-    request_seed,
-)
+from reprorl.grpo.rollout import has_room, request_seed
+from reprorl.grpo.sample_queue import is_stale
+from reprorl.grpo.samples import Sample, TrainingSequence, TurnRecord, reconcile_turns
 
 
 def test_advantages_standardise_within_the_group():

@@ -27,7 +27,7 @@ from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate, record_rows
 from reprorl.grpo.metrics import MetricsWindow
 from reprorl.grpo.objective import kept_logits, microbatch_loss
-from reprorl.grpo.rollout import Sample, TrainingSequence
+from reprorl.grpo.samples import Sample, TrainingSequence
 
 VOCAB = 97
 LOGP_ATOL = 1e-5  # absolute, on per-token log-probs (see the module's docstring)

@@ -24,8 +24,8 @@ from reprorl.grpo.batching import TokenBudgetBatcher
 from reprorl.grpo.ledger import PositionLedger
 from reprorl.grpo.metrics import MetricsWindow
 from reprorl.grpo.processes import WorkerHandle, WorkerSignals
-from reprorl.grpo.rollout import GroupResult, Sample, TrainingSequence
 from reprorl.grpo.sample_queue import SampleQueue
+from reprorl.grpo.samples import GroupResult, Sample, TrainingSequence
 from reprorl.grpo.weights import AdapterVersions
 
 # ---------------------------------------------------------------- the ledger

@@ -14,8 +14,8 @@ import torch
 from reprorl.engine import Params, processed_logprobs
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
-from reprorl.grpo.rollout import Sample, TrainingSequence
 from reprorl.grpo.objective import microbatch_loss
+from reprorl.grpo.samples import Sample, TrainingSequence
 
 from test_grpo import BASE, make_rows, read_metrics, start_server, token_sum_reward
 

@@ -9,7 +9,8 @@
 """
 
 from .config import AsyncGRPOConfig
-from .rollout import AsyncRolloutLoop, Rollout, RolloutGroup, TurnRecord
+from .rollout import AsyncRolloutLoop
+from .samples import Rollout, RolloutGroup, TurnRecord
 from .trainer import AsyncGRPOTrainer
 
 __all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "AsyncRolloutLoop", "Rollout",

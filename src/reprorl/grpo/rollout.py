@@ -5,6 +5,8 @@
 sampling request) -> scoring of the complete group -> `compute_advantages` -> the drop rule ->
 samples onto the trainer's queue. Subclass it, override a hook, and set the subclass as the
 trainer's `loop_cls` (define it at module level: the loop is built in the spawned process).
+What the hooks take and return (`TurnRecord`, `Rollout`, `RolloutGroup`) and what reaches the
+trainer (`Sample`, `GroupResult`) are plain data, in `samples.py`.
 
 Flow control (the seed's "Concurrency"):
 - staleness: a new group starts only while queued + in-flight tokens fit the trainer's token
@@ -36,16 +38,12 @@ import queue
 import signal
 import time
 import traceback
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from .agents import (
     EnvironmentPool,
-    ToolCall,
     assistant_message,
     call_tool,
     environment_factories,
@@ -59,153 +57,19 @@ from .client import CompletionClient, ServerRequestError
 from .loss import group_advantages, group_is_dropped
 from .processes import die_with_parent
 from .rows import epoch_length, epoch_order, map_positions  # noqa: F401 (epoch_order: hooks')
+from .samples import (
+    GroupResult,
+    Rollout,
+    RolloutGroup,
+    Sample,
+    TrainingSequence,
+    TurnRecord,
+    reconcile_turns,
+)
 from .weights import served_name
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
 _ROLLOUT = contextvars.ContextVar("rollout")  # [rollout key, requests so far]: request seeds
-
-
-@dataclass
-class TurnRecord:
-    """One sampling request: the prompt sent and the tokens the sampler produced."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_log_probs: list[float] = field(default_factory=list)
-    output_mask: list[int] | None = None  # 1 = train on the token (None: all)
-    # per token, the ids it was drawn from under top-k/top-p/min-p (None: the vocabulary)
-    output_sampling_mask: list[list[int]] | None = None
-    output_sampler_logprobs: list[dict[int, float]] | None = None  # sampler top tokens
-    finish_reason: str = "stop"  # "stop" (EOS or stop token) or "length"
-
-
-@dataclass
-class Rollout:
-    """A finished rollout, as `generate_one` returns it: the completion's messages (assistant
-    and tool), every generated token in order, and the sampling requests that made them."""
-
-    completion: list[dict[str, Any]]
-    completion_ids: list[int]
-    turns: list[TurnRecord]
-    tool_call_count: int = 0
-    tool_failure_count: int = 0
-    reward: float | None = None
-    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    tool_calls: list[ToolCall] = field(default_factory=list)  # ours: for the tools/ metrics
-    tool_batches: list[int] = field(default_factory=list)  # calls per tool-calling turn
-    loop_exhausted: bool = False  # stopped by max_tool_calling_iterations while calling
-
-
-@dataclass
-class TrainingSequence:
-    """Tokens of one sample: context plus trained tokens, each with what the sampler saw."""
-
-    input_ids: list[int]
-    trained: list[int]  # 1 where the token is trained
-    sampler_logprobs: list[float]  # per token; 0.0 for context
-    sampler_top: list[dict[int, float] | None]  # per token; None for context
-    sampling_mask: list[list[int] | None] = field(default_factory=list)  # per token; None:
-    # the whole vocabulary (context, or a sampler without truncation)
-
-
-@dataclass
-class RolloutGroup:
-    """The `num_generations` rollouts of one prompt, scored together."""
-
-    prompts: list[list[dict[str, Any]]]
-    reward_kwargs: dict[str, list[Any]]
-    completions: list[list[dict[str, Any]]]
-    completions_ids: list[list[int]]
-    completions_sequences: list[list[TrainingSequence]]
-    model_version: int
-    group_id: int
-    row_index: int
-    rollout_rewards: list[float | None]
-    queued_at: float = 0.0
-    rewards: np.ndarray | None = None
-    position: int = 0  # epoch * rows + index in the epoch order: the resume cursor's unit
-    truncated: list[bool] = field(default_factory=list)
-    reward_by_func: dict[str, list[float]] = field(default_factory=dict)
-    env_rewards: list[tuple[type, float] | None] = field(default_factory=list)  # class, value
-    rollouts: list[Rollout] = field(default_factory=list)
-
-    @property
-    def tool_call_counts(self) -> list[int]:
-        return [r.tool_call_count for r in self.rollouts]
-
-    @property
-    def tool_failure_counts(self) -> list[int]:
-        return [r.tool_failure_count for r in self.rollouts]
-
-
-@dataclass
-class Sample:
-    """What the trainer consumes: one training sequence with its advantage."""
-
-    sequence: TrainingSequence
-    advantage: float
-    reward: float
-    rewards_by_func: dict[str, float]
-    group_std: float
-    group_std_by_func: dict[str, float]
-    model_version: int
-    group_id: int
-    position: int
-    group_samples: int  # samples this position produced in all
-    tokens: int
-    queued_at: float
-    rollout_id: str
-    completion_text: str
-
-
-@dataclass
-class GroupResult:
-    """One queue item: a position's samples, or why it produced none, and the metric records
-    of its content (rewards, lengths). Those travel with the group, not on the metrics queue,
-    so the trainer enters them when it consumes the position: a fixed schedule's windows then
-    hold the same values whatever the timing."""
-
-    position: int
-    samples: list[Sample]
-    reason: str = "trained"  # or "filtered", "zero_std"
-    records: list = field(default_factory=list)  # ("value", name, v), as MetricsWindow.merge
-
-
-def reconcile_turns(turns: list[TurnRecord]) -> tuple[list[TrainingSequence], list[int]]:
-    """Turns -> sequences, and the drift of each turn transition.
-
-    A turn whose prompt extends the running sequence continues it (the added prompt tokens are
-    context; drift 0); any other turn forks a new sequence, and its drift is the number of
-    retained tokens after the point where its prompt diverges (what the fork re-renders).
-    """
-    sequences: list[TrainingSequence] = []
-    drifts: list[int] = []
-    current = None
-    for turn in turns:
-        n = len(turn.output_ids)
-        mask = turn.output_mask if turn.output_mask is not None else [1] * n
-        top = turn.output_sampler_logprobs or [None] * n
-        candidates = turn.output_sampling_mask or [None] * n
-        if current is not None and turn.prompt_ids[: len(current.input_ids)] == current.input_ids:
-            extra = turn.prompt_ids[len(current.input_ids):]
-            drifts.append(0)
-        else:
-            if current is not None:
-                shared = 0
-                for a, b in zip(turn.prompt_ids, current.input_ids):
-                    if a != b:
-                        break
-                    shared += 1
-                drifts.append(len(current.input_ids) - shared)
-            current = TrainingSequence([], [], [], [], [])
-            sequences.append(current)
-            extra = list(turn.prompt_ids)
-        current.input_ids += extra + list(turn.output_ids)
-        current.trained += [0] * len(extra) + list(mask)
-        current.sampler_logprobs += [0.0] * len(extra) + list(turn.output_log_probs)
-        current.sampler_top += [None] * len(extra) + list(top)
-        current.sampling_mask += [None] * len(extra) + list(candidates)
-    return [s for s in sequences if any(s.trained)], drifts
 
 
 def has_room(queued_tokens: float, in_flight_groups: int, group_tokens: list[float],
@@ -231,11 +95,6 @@ def request_seed(seed: int, rollout_key: int | None, request: int) -> int:
     words = [seed % 2**32, 0, request] if rollout_key is None else [
         seed % 2**32, 1, rollout_key, request]
     return int(np.random.SeedSequence(words).generate_state(1)[0] % (2**31 - 1))
-
-
-def is_stale(current_version: int, sample_version: int, max_staleness: int) -> bool:
-    """A sample more than max_staleness weight versions behind at dequeue is dropped."""
-    return current_version - sample_version > max_staleness
 
 
 def reward_name(func) -> str:

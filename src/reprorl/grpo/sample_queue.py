@@ -27,9 +27,14 @@ import time
 
 from .ledger import PositionLedger
 from .metrics import MetricsWindow
-from .rollout import GroupResult, Sample, is_stale
+from .samples import GroupResult, Sample
 
 logger = logging.getLogger("reprorl.grpo")
+
+
+def is_stale(current_version: int, sample_version: int, max_staleness: int) -> bool:
+    """A sample more than max_staleness weight versions behind at dequeue is dropped."""
+    return current_version - sample_version > max_staleness
 
 
 class StalledRun(RuntimeError):

@@ -90,7 +90,6 @@ from .policy import (
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import (
     AsyncRolloutLoop,
-    Sample,
     drain,
     prompt_token_ids,
     reward_name,
@@ -98,6 +97,7 @@ from .rollout import (
 )
 from .rows import STREAM_STALL_POSITIONS, as_rows, epoch_length, first_row
 from .sample_queue import SampleQueue, StalledRun
+from .samples import Sample
 from .weights import AdapterVersions, MergedVersions, SyncCheck, refuse_unfit_server
 
 LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() call
