@@ -14,7 +14,7 @@ alternate. The model and corpus come from `snakemake base_model prepare` when mi
     python benchmarks/prefill_heads.py [--rounds 3]
 
 Printed last, one JSON line: each arm's prefill and total seconds (best round: the first
-`heads` round also pays the once-per-process probe, `engine.heads_invariant`), the prefill
+`heads` round also pays the once-per-process probe, `invariance.heads_invariant`), the prefill
 speedup, and the reused tokens.
 """
 
@@ -30,10 +30,11 @@ from _build import ensure_built  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl.encoding import load_tokenizer
-from reprorl.engine import Adapter, Engine, Params, Sequence
+from reprorl.engine import Adapter, Engine, Sequence
 from reprorl.grpo.rollout import prompt_token_ids
 from reprorl.grpo.server_weights import install_switches
 from reprorl.grpo_run import dataset
+from reprorl.logprobs import Params
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, NEW_TOKENS, SLOTS, MAX_LEN, RANK = 48, 4, 20, 64, 512, 16

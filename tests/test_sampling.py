@@ -59,7 +59,8 @@ def test_a_prompt_samples_the_same_bits_alone_and_among_any_others(model, greedy
 def test_a_group_sharing_a_prompt_reuses_one_prefill_with_the_same_bits(model):
     """Samples of one prompt (a GRPO group) prefill it once and draw the bits each draws
     alone, where nothing is reused; more prompts than the prefix cache holds still replay."""
-    from reprorl.engine import PREFIX_CACHE_PROMPTS, Engine, Params, Sequence
+    from reprorl.engine import PREFIX_CACHE_PROMPTS, Engine, Sequence
+    from reprorl.logprobs import Params
 
     pool = prompts(PREFIX_CACHE_PROMPTS + 4, 7)
     seeds = [[10 * i + k for k in range(4)] for i in range(len(pool))]
@@ -84,7 +85,8 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
     half-empty groups remain and nobody waits: the engine moves the two highest into the
     first group's holes (KV and all), then decodes one group a step, not two, and every
     sequence still draws the bits it draws alone."""
-    from reprorl.engine import Engine, Params, Sequence
+    from reprorl.engine import Engine, Sequence
+    from reprorl.logprobs import Params
 
     pool = prompts(8, 13)
     limits = [2, 24] * 4
@@ -119,7 +121,9 @@ def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_t
     1 to 24 tokens, draw the bits each draws alone (one 16-row forward a step); the forwards
     hold 16 to 32 rows, and sequences left above holes move down. Where the probe fails,
     or with two threads, the engine decodes by groups of 16."""
-    from reprorl.engine import Engine, Params, Sequence, rows_invariant
+    from reprorl.engine import Engine, Sequence
+    from reprorl.invariance import rows_invariant
+    from reprorl.logprobs import Params
 
     pool = prompts(40, 17)
     limits = [1 + (7 * i) % 24 for i in range(len(pool))]
@@ -189,7 +193,8 @@ def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(o
     project's CPUs a `bmm` of rank 1 gives other bits with one item than with two, so a rank
     whose batched products change with the stack (`rows_invariant` at that rank) runs each
     adapter on its own."""
-    from reprorl.engine import Adapter, Engine, Params, Sequence
+    from reprorl.engine import Adapter, Engine, Sequence
+    from reprorl.logprobs import Params
     from reprorl.grpo.server_weights import install_switches
 
     torch.manual_seed(1)
@@ -235,7 +240,8 @@ def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
     (`Engine.draw`): each row's log-probs, token, top log-probs and rank are bitwise what the
     row alone gives, and `race` draws the token `torch.multinomial` draws with the same
     generator state. Rows with ties, -inf and a wide range of scales."""
-    from reprorl.engine import Engine, Params, Sequence, processed_logprobs, race
+    from reprorl.engine import Engine, Sequence
+    from reprorl.logprobs import Params, processed_logprobs, race
 
     generator = torch.Generator().manual_seed(11)
     logits = torch.randn(24, 1024, generator=generator) * torch.logspace(-1, 1.5, 24)[:, None]
@@ -270,7 +276,8 @@ def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
     """`Engine.sample` over rows that each differ from temperature 1 with 3 log-probs in one
     setting (so only the grouping keeps them apart), the row without log-probs first: each
     sequence gets what it gets alone, and each row reads its own settings."""
-    from reprorl.engine import Engine, Params, Sequence
+    from reprorl.engine import Engine, Sequence
+    from reprorl.logprobs import Params
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
     base = {"max_tokens": 8, "temperature": 1.0, "logprobs": 3}
@@ -296,7 +303,8 @@ def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
 
 
 def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
-    from reprorl.engine import Engine, Params, Sequence
+    from reprorl.engine import Engine, Sequence
+    from reprorl.logprobs import Params
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
     params = Params(max_tokens=8, temperature=1.0, logprobs=0)
@@ -316,7 +324,9 @@ def test_a_prompt_sharing_a_head_forwards_only_its_rest_with_the_same_bits(model
     only what follows the whole 32-token blocks of the longest head it shares, so long as
     16 tokens or more remain and both prompts hold under 192; and draws the bits it draws
     alone, where nothing is reused. With two threads each forwards whole."""
-    from reprorl.engine import Engine, Params, Sequence, heads_invariant, rows_invariant
+    from reprorl.engine import Engine, Sequence
+    from reprorl.invariance import heads_invariant, rows_invariant
+    from reprorl.logprobs import Params
 
     rng = random.Random(23)
     system = [rng.randrange(20, 64) for _ in range(40)]  # tails start below 20: a clean fork

@@ -691,7 +691,7 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
     from aiohttp.test_utils import TestClient, TestServer
     from transformers import AutoModelForCausalLM
 
-    from reprorl.engine import cache_argument
+    from reprorl.invariance import cache_argument
     from reprorl.grpo import server as embedded
 
     _, tokenizer = reference

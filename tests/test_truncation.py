@@ -11,11 +11,11 @@ import pytest
 import requests
 import torch
 
-from reprorl.engine import Params, processed_logprobs
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
 from reprorl.grpo.objective import microbatch_loss
 from reprorl.grpo.samples import Sample, TrainingSequence
+from reprorl.logprobs import Params, processed_logprobs
 
 from test_grpo import BASE, make_rows, read_metrics, start_server, token_sum_reward
 

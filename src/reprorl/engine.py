@@ -4,21 +4,21 @@ Continuous batching over preallocated KV slots (one per running sequence, from o
 whole groups of `rows` slots): each step admits waiting sequences FIFO into the lowest free
 slots, prefills each alone, and decodes the running sequences whatever adapters they use: in
 one forward over the slots up to the highest in use (on the CPU with one thread and groups of
-16 rows or more, where the row count changes no row's bits), or in one forward of a fixed shape
-per group of slots in use. So a sequence's tokens, log-probs and top log-probs are bitwise the
-same whatever else runs beside it. Log-probs are vLLM's `processed_logprobs` (after the
-repetition penalty, temperature, min-p, top-k, top-p; greedy: the penalised log-softmax); each
-sequence samples with its own generator. `grpo/server.py` runs the engine in a background
-thread behind vLLM's HTTP API; `sampling.sample_many` drives it in the caller's thread
-(`Engine.generate`). Departures from vLLM: a slot of `max_len` tokens per sequence, not paged
-blocks; no preemption (a sequence waits for a free slot); other kernels, so other log-prob bits
-and seeded tokens that may differ (the draw itself, `race`, is vLLM's); prefix caching keeps
-whole prompts (the last 16 prefills, or all of a store the caller keeps), and a new prompt
-reuses the longest head it shares with one of them only in blocks of 32 tokens and where that
-keeps the bits (`Engine.shared_head`), not in any blocks vLLM's cache holds. Work that must not
-overlap a forward (a weight reload) runs in the engine thread between two steps
-(`between_steps`); sequences already running go on under the new weights with the KV they have,
-as in vLLM.
+16 rows or more, where the row count changes no row's bits: `invariance.py` probes it), or in
+one forward of a fixed shape per group of slots in use. So a sequence's tokens, log-probs and
+top log-probs are bitwise the same whatever else runs beside it. Log-probs are vLLM's
+`processed_logprobs` (`logprobs.py`: after the repetition penalty, temperature, min-p, top-k,
+top-p; greedy: the penalised log-softmax); each sequence samples with its own generator.
+`grpo/server.py` runs the engine in a background thread behind vLLM's HTTP API;
+`sampling.sample_many` drives it in the caller's thread (`Engine.generate`). Departures from
+vLLM: a slot of `max_len` tokens per sequence, not paged blocks; no preemption (a sequence
+waits for a free slot); other kernels, so other log-prob bits and seeded tokens that may
+differ (the draw itself, `race`, is vLLM's); prefix caching keeps whole prompts (the last 16
+prefills, or all of a store the caller keeps), and a new prompt reuses the longest head it
+shares with one of them only in blocks of 32 tokens and where that keeps the bits
+(`Engine.shared_head`), not in any blocks vLLM's cache holds. Work that must not overlap a
+forward (a weight reload) runs in the engine thread between two steps (`between_steps`);
+sequences already running go on under the new weights with the KV they have, as in vLLM.
 """
 
 from __future__ import annotations
@@ -26,40 +26,31 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
-import inspect
 import logging
-import math
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import devices
 from .encoding import mask_for
+from .invariance import (
+    HEAD_BLOCK,
+    HEAD_LIMIT,
+    SPAN_ROWS,
+    cache_argument,
+    forward_prompt,
+    heads_invariant,
+    rows_invariant,
+)
+from .logprobs import GREEDY_EPS, Params, processed_logprobs, race
 
 log = logging.getLogger("reprorl.serve")
-GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
 PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
-# On this project's Intel Xeon with one torch thread, for the products of the CI, default and
-# Qwen2.5-0.5B shapes in float32: a row's result is bitwise the same at every row count from
-# 16 up (to 512; SDPA's at any count), and each item of a batched product is what that
-# product alone gives. With two threads neither holds. Where `rows_invariant` finds both (one
-# CPU thread), a decode forward spans the slots in use (`Engine.span`) and runs its rows'
-# adapters in one batched product (`stack_adapters`); elsewhere it decodes by groups.
-SPAN_ROWS = 16
-SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 STACKED_COMBINATIONS = 4  # combinations of adapters whose stacked weights are kept
-# A prompt reuses the KV of a head it shares with a recent one in whole blocks of 32 tokens,
-# both prompts under 192 tokens, 16 or more left to forward: under 192 queries PyTorch's CPU
-# attention splits them in blocks of 32 rows and keys in one block, so each row of the rest
-# meets the same query block as in the prompt's whole forward, and the products' rows keep
-# their bits from 16 rows up. With other heads the bits moved (measured: a row in a query
-# block of under 16 rows in one forward and of 32 in the other).
-HEAD_BLOCK, HEAD_LIMIT = 32, 192
 FINISH_REASONS = ("stop", "length", "abort")
 # `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
 # /metrics): whether the server is the bound, and what its decode forwards carry (adapters:
@@ -126,170 +117,6 @@ def stack_adapters(adapters: tuple[Adapter, ...], switches: dict[str, torch.nn.M
                              torch.stack([b for _, b in pairs]).transpose(1, 2))
         stacked.append((tuple(members), weights))
     return stacked
-
-
-PROBED: dict[tuple, bool] = {}  # `rows_invariant`, `heads_invariant` by shapes and threads
-
-
-def rows_invariant(model, rank: int = 16) -> bool:
-    """Whether here (this CPU, its library, the current thread count) each row of the model's
-    products has the same bits at every count of SPAN_PROBE rows, each item of a batched
-    LoRA product at each count is what its two products alone give, and those products'
-    rows are the same at every count too: what `Engine.span`, `Engine.stacked` and (a prompt
-    with an adapter forwarding its rest only) `Engine.shared_head` rest on. A probe of the
-    model's own weights on random rows, once per process for each set of shapes."""
-    linears = {m.weight.shape: m.weight for m in model.modules()
-               if isinstance(m, torch.nn.Linear)}
-    key = (tuple(sorted(linears)), next(iter(linears.values())).dtype, rank,
-           torch.get_num_threads())
-    if key not in PROBED:
-        PROBED[key] = probe_rows(linears, rank)
-    return PROBED[key]
-
-
-def probe_rows(linears: dict, rank: int) -> bool:
-    """`rows_invariant` for the products of these weights (by shape) and LoRAs of `rank`."""
-    generator = torch.Generator().manual_seed(0)
-    least = SPAN_PROBE[0]
-    for (outputs, inputs), weight in linears.items():
-        x = torch.randn(max(SPAN_PROBE), inputs, generator=generator)
-        first = torch.nn.functional.linear(x[:least].to(weight), weight)
-        a = torch.randn(2, rank, inputs, generator=generator) / inputs ** 0.5
-        b = torch.randn(2, outputs, rank, generator=generator) / rank ** 0.5
-        lora = torch.nn.functional.linear(torch.nn.functional.linear(x[:least], a[0]), b[0])
-        for count in SPAN_PROBE:
-            rows = torch.nn.functional.linear(x[:count].to(weight), weight)[:least]
-            items = torch.bmm(torch.bmm(x[:count].expand(2, count, inputs), a.transpose(1, 2)),
-                              b.transpose(1, 2))
-            if not torch.equal(rows, first) or not torch.equal(items[0, :least], lora) or not all(
-                    torch.equal(items[k], torch.nn.functional.linear(
-                        torch.nn.functional.linear(x[:count], a[k]), b[k])) for k in range(2)):
-                return False
-    return True
-
-
-# (head, prompt, source) lengths `heads_invariant` compares: one and two blocks reused, the
-# least rest (16 rows), the longest prompt and source, a source shorter than the prompt
-HEAD_PROBE = ((HEAD_BLOCK, 72, 80), (2 * HEAD_BLOCK, 100, 70), (HEAD_BLOCK, 48, 191),
-              (3 * HEAD_BLOCK, HEAD_LIMIT - 1, 120))
-
-
-def heads_invariant(model) -> bool:
-    """Whether here a prompt forwarded after the KV of a head it shares with another prompt
-    gets the bits of its own whole forward (KV and last logits), on `Engine.shared_head`'s
-    terms. The products' rows keep their bits at such counts (`rows_invariant`); this probes
-    the attention too, whose products see other row counts and key lengths in the two
-    forwards, on the model's own weights and random tokens (HEAD_PROBE), once per process
-    for each architecture, attention, dtype and thread count. An error counts as a no."""
-    key = ("heads", type(model).__name__, model.config.to_json_string(),
-           getattr(model.config, "_attn_implementation", None), next(model.parameters()).dtype,
-           torch.get_num_threads())
-    if key not in PROBED:
-        generator = torch.Generator().manual_seed(0)
-        vocab, device = model.config.vocab_size, devices.of(model)
-        same = True
-        try:
-            for head, length, source in HEAD_PROBE:
-                other = torch.randint(vocab, (source,), generator=generator).tolist()
-                tokens = other[:head] + torch.randint(
-                    vocab, (length - head,), generator=generator).tolist()
-                with torch.inference_mode():
-                    whole = forward_prompt(model, tokens, device)
-                    reused = forward_prompt(model, tokens, device,
-                                            forward_prompt(model, other, device)[1], head)
-                same = same and torch.equal(whole[0], reused[0]) and all(
-                    torch.equal(a, b) for pair, again in zip(whole[1], reused[1])
-                    for a, b in zip(pair, again))
-        except Exception:  # noqa: BLE001 (this model's cache path failed: no reuse)
-            log.exception("probing a prompt's prefill after a reused head failed")
-            same = False
-        PROBED[key] = same
-    return PROBED[key]
-
-
-def forward_prompt(model, tokens: list[int], device: torch.device,
-                   head: list[tuple[torch.Tensor, torch.Tensor]] | None = None, reused: int = 0
-                   ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A prompt's forward: its last logits and its per-layer (keys, values), [kv heads,
-    its length, head dim]. With `head` (another prompt's per-layer KV), that KV's first
-    `reused` positions stand for the prompt's own, and only the tokens after them run."""
-    name, cache = cache_argument(model), None
-    if reused:
-        cache = DynamicCache(config=model.config)  # updates concatenate: `head` stays as it is
-        for index, (keys, values) in enumerate(head):
-            cache.update(keys[None, :, :reused], values[None, :, :reused], index)
-    output = model(input_ids=torch.tensor([tokens[reused:]], device=device), use_cache=True,
-                   logits_to_keep=1, **{} if cache is None else {name: cache})
-    return output.logits[0, -1], [(layer.keys[0], layer.values[0])
-                                  for layer in output[name].layers]
-
-
-@dataclass
-class Params:
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0  # on every token already in the prompt or the output
-    logprobs: int | None = None
-    eos_id: int | None = None
-    stop_ids: frozenset = frozenset()
-    sampling_mask: bool = False  # keep each sampled token's candidate set (vLLM's flag)
-
-
-def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """vLLM's repetition penalty (`apply_repetition_penalties_torch`): the logit of every token
-    `seen` (a bool mask over the vocabulary, broadcast against `logits`) is divided by the
-    penalty when positive and multiplied by it otherwise. One function for the engine and the
-    trainer, which must score each token under the distribution it was drawn from."""
-    penalties = torch.where(seen, torch.tensor(penalty, dtype=logits.dtype,
-                                               device=logits.device), 1.0)
-    return logits * torch.where(logits > 0, 1.0 / penalties, penalties)
-
-
-def processed_logprobs(logits: torch.Tensor, p: Params,
-                       seen: list[int] | None = None) -> torch.Tensor:
-    """Log-probs of the distribution actually sampled from (filtered tokens get -inf), over the
-    last dimension of `logits` ([vocab], or [rows, vocab] that share `p`: every operation works
-    row by row, so on the CPU a row's bits are those it gets alone, `Engine.sample`); `seen`:
-    the tokens so far (prompt and output) of a single row, which the repetition penalty
-    applies to."""
-    logits = logits.float()
-    if p.repetition_penalty != 1 and seen:
-        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        mask[torch.tensor(seen, device=logits.device)] = True
-        logits = penalise_repeats(logits, mask, p.repetition_penalty)
-    if p.temperature < GREEDY_EPS:
-        return logits.log_softmax(-1)
-    logits = logits / p.temperature
-    if p.min_p > 0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), -math.inf)
-    if 0 < p.top_k < logits.shape[-1]:
-        logits = logits.masked_fill(logits < logits.topk(p.top_k).values[..., -1:], -math.inf)
-    if p.top_p < 1:
-        ordered, order = logits.sort()  # ascending, as vLLM's apply_top_k_top_p
-        probs = ordered.softmax(-1)
-        # a float cumsum on CUDA has no deterministic kernel: summed on the CPU there
-        cumulative = probs.cumsum(-1) if probs.device.type == "cpu" else (
-            probs.cpu().cumsum(-1).to(probs.device))
-        drop = cumulative <= 1 - p.top_p
-        drop[..., -1] = False  # keep at least one token
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), -math.inf)
-    return logits.log_softmax(-1)
-
-
-def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of `probs` [rows, vocab], row i drawn with `generators[i]`: the
-    argmax of probs / q, q ~ Exp(1) (the exponential race: how vLLM and `torch.multinomial`
-    draw one sample, so the token `torch.multinomial(row, 1, generator=g)` gives, checked in
-    `test_sampling`). The draws stay per row, each from its own generator; the rest is one
-    operation over the rows."""
-    q = torch.empty_like(probs)
-    for row, generator in zip(q, generators, strict=True):
-        row.exponential_(generator=generator)
-    return (probs / q).argmax(-1)
 
 
 @dataclass(eq=False)
@@ -369,17 +196,6 @@ class SlotLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return self.keys.shape[2]
-
-
-def cache_argument(model) -> str:
-    """The forward argument that takes a KV cache (transformers 5.2x renamed it)."""
-    return _cache_argument(type(model))
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_argument(kind: type) -> str:  # once per model class: every prefill asks
-    return "cache" if "cache" in inspect.signature(kind.forward).parameters else (
-        "past_key_values")
 
 
 class Engine(threading.Thread):

@@ -63,7 +63,7 @@ def with_row_adapters(result: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b:
     `result` through the caller's mask: its scale 0 would meet another adapter's product,
     and 0 x Inf is NaN. Every adapter runs over all the rows, one item of `bmm` each: two
     kernel calls whatever n is. On the CPU with one torch thread an item is bitwise what
-    `with_adapter`'s two products give (`tests/test_lora.py`, `engine.rows_invariant`); with
+    `with_adapter`'s two products give (`tests/test_lora.py`, `invariance.rows_invariant`); with
     more threads it may not be, and may depend on n."""
     rows = x.shape[0]
     inputs = x.float().reshape(1, rows, -1).expand(a.shape[0], rows, -1)

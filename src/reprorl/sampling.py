@@ -15,20 +15,16 @@ with finish reason "cut". Two samplers:
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-from transformers import Qwen2ForCausalLM
 
 from . import devices
-from .engine import Engine, Params, Sequence
+from .engine import Engine, Sequence
 from .errors import ReproError
-
-# transformers 5.2x renamed `past_key_values` to `cache` (argument and output field)
-_CACHE = "cache" if "cache" in inspect.signature(Qwen2ForCausalLM.forward).parameters else (
-    "past_key_values")
+from .invariance import cache_argument
+from .logprobs import Params
 
 
 @dataclass
@@ -57,6 +53,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
                    logits_to_keep=1)
     tokens: list[int] = []
     logprobs: list[float] = []
+    cache = cache_argument(model)  # the argument and the output field
     for _ in range(max_new_tokens):
         token, logprob = _draw(output.logits[0, -1], generator, temperature)
         tokens.append(token)
@@ -64,7 +61,7 @@ def sample(model, prompt_ids: list[int], max_new_tokens: int, eos_id: int,
         if token == eos_id:
             return Sample(tokens, logprobs, "eos")
         output = model(input_ids=torch.tensor([[token]], device=device), use_cache=True,
-                       logits_to_keep=1, **{_CACHE: output[_CACHE]})
+                       logits_to_keep=1, **{cache: output[cache]})
     return Sample(tokens, logprobs, "cut")
 
 

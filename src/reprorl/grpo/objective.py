@@ -17,7 +17,7 @@ import torch
 
 from .. import devices
 from ..encoding import mask_for
-from ..engine import penalise_repeats
+from ..logprobs import penalise_repeats
 from .batching import MicroBatch
 from .config import AsyncGRPOConfig
 from .loss import (
@@ -74,7 +74,7 @@ def candidate_logmass(scores: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
 
 def penalise_columns(columns: torch.Tensor, batch: MicroBatch, penalty: float) -> torch.Tensor:
     """The (B, W, V) column logits under the server's repetition penalty: each column's
-    logits of the tokens before it in its sample penalised (`engine.penalise_repeats`). Only
+    logits of the tokens before it in its sample penalised (`logprobs.penalise_repeats`). Only
     the ids the batch holds are gathered, penalised and scattered back: one (B, W, V) copy
     more, not a (B, W, V) mask and its temporaries (V is 151,936 for Qwen)."""
     tokens, width = batch.seen_ids, columns.shape[1]

@@ -27,7 +27,7 @@ cards carry `max_model_len` too; `reload_weights` checks every tensor against th
 shapes, finite values, every weight given) and answers a wrong directory with 400 or 404, where
 vLLM answers 500; a request with `seed: null` draws its seed from the server's
 `--seed` stream; seeded tokens may differ from vLLM's (its kernels give other log-prob bits;
-the draw itself, `engine.race`, is the exponential race vLLM runs).
+the draw itself, `logprobs.race`, is the exponential race vLLM runs).
 
 Hardening (vLLM's behaviour where it has one): `--api-key` / `VLLM_API_KEY` requires a Bearer
 token on `/v1/*` (401 `{"error": "Unauthorized"}`, as vLLM). Additions of ours: `--lora-root`
@@ -66,15 +66,9 @@ import torch
 from aiohttp import web
 
 from .. import devices
-from ..engine import (
-    WORK,
-    Adapter,
-    ApiError,
-    Engine,
-    Params,
-    Sequence,
-)
+from ..engine import WORK, Adapter, ApiError, Engine, Sequence
 from ..errors import ReproError
+from ..logprobs import Params
 from .server_weights import (
     copy_weights,
     install_switches,

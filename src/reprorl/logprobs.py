@@ -1,0 +1,86 @@
+"""The distribution a token is drawn from, as vLLM processes it, and the draw.
+
+`Params` holds a request's sampling settings (the part of vLLM's `SamplingParams` the engine
+honours). `processed_logprobs` gives vLLM's processed log-probs: the repetition penalty, then
+temperature, min-p, top-k and top-p, a filtered token at -inf (greedy: the penalised
+log-softmax). `penalise_repeats`, the penalty alone, is also what the GRPO loss applies, which
+must score each token under the distribution it was drawn from. `race` draws one token per row,
+each row from its own generator: the exponential race vLLM runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a lower temperature means greedy
+
+
+@dataclass
+class Params:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # on every token already in the prompt or the output
+    logprobs: int | None = None
+    eos_id: int | None = None
+    stop_ids: frozenset = frozenset()
+    sampling_mask: bool = False  # keep each sampled token's candidate set (vLLM's flag)
+
+
+def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """vLLM's repetition penalty (`apply_repetition_penalties_torch`): the logit of every token
+    `seen` (a bool mask over the vocabulary, broadcast against `logits`) is divided by the
+    penalty when positive and multiplied by it otherwise. One function for the engine and the
+    trainer, which must score each token under the distribution it was drawn from."""
+    penalties = torch.where(seen, torch.tensor(penalty, dtype=logits.dtype,
+                                               device=logits.device), 1.0)
+    return logits * torch.where(logits > 0, 1.0 / penalties, penalties)
+
+
+def processed_logprobs(logits: torch.Tensor, p: Params,
+                       seen: list[int] | None = None) -> torch.Tensor:
+    """Log-probs of the distribution actually sampled from (filtered tokens get -inf), over the
+    last dimension of `logits` ([vocab], or [rows, vocab] that share `p`: every operation works
+    row by row, so on the CPU a row's bits are those it gets alone, `Engine.sample`); `seen`:
+    the tokens so far (prompt and output) of a single row, which the repetition penalty
+    applies to."""
+    logits = logits.float()
+    if p.repetition_penalty != 1 and seen:
+        mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        mask[torch.tensor(seen, device=logits.device)] = True
+        logits = penalise_repeats(logits, mask, p.repetition_penalty)
+    if p.temperature < GREEDY_EPS:
+        return logits.log_softmax(-1)
+    logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.amax(-1, keepdim=True), -math.inf)
+    if 0 < p.top_k < logits.shape[-1]:
+        logits = logits.masked_fill(logits < logits.topk(p.top_k).values[..., -1:], -math.inf)
+    if p.top_p < 1:
+        ordered, order = logits.sort()  # ascending, as vLLM's apply_top_k_top_p
+        probs = ordered.softmax(-1)
+        # a float cumsum on CUDA has no deterministic kernel: summed on the CPU there
+        cumulative = probs.cumsum(-1) if probs.device.type == "cpu" else (
+            probs.cpu().cumsum(-1).to(probs.device))
+        drop = cumulative <= 1 - p.top_p
+        drop[..., -1] = False  # keep at least one token
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), -math.inf)
+    return logits.log_softmax(-1)
+
+
+def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [rows, vocab], row i drawn with `generators[i]`: the
+    argmax of probs / q, q ~ Exp(1) (the exponential race: how vLLM and `torch.multinomial`
+    draw one sample, so the token `torch.multinomial(row, 1, generator=g)` gives, checked in
+    `test_sampling`). The draws stay per row, each from its own generator; the rest is one
+    operation over the rows."""
+    q = torch.empty_like(probs)
+    for row, generator in zip(q, generators, strict=True):
+        row.exponential_(generator=generator)
+    return (probs / q).argmax(-1)
