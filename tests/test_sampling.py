@@ -194,8 +194,8 @@ def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(o
     whose batched products change with the stack (`rows_invariant` at that rank) runs each
     adapter on its own."""
     from reprorl.engine import Adapter, Engine, Sequence
-    from reprorl.logprobs import Params
     from reprorl.grpo.server_weights import install_switches
+    from reprorl.logprobs import Params
 
     torch.manual_seed(1)
     config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,

@@ -691,8 +691,8 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
     from aiohttp.test_utils import TestClient, TestServer
     from transformers import AutoModelForCausalLM
 
-    from reprorl.invariance import cache_argument
     from reprorl.grpo import server as embedded
+    from reprorl.invariance import cache_argument
 
     _, tokenizer = reference
     raising, poisoning = 7, 9  # prompt token ids that trigger the two faults

@@ -31,7 +31,7 @@ log = logging.getLogger("reprorl.serve")
 # 16 up (to 512; SDPA's at any count), and each item of a batched product is what that
 # product alone gives. With two threads neither holds. Where `rows_invariant` finds both (one
 # CPU thread), a decode forward spans the slots in use (`Engine.span`) and runs its rows'
-# adapters in one batched product (`stack_adapters`); elsewhere it decodes by groups.
+# adapters in one batched product (`engine.stack_adapters`); elsewhere it decodes by groups.
 SPAN_ROWS = 16
 SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 # A prompt reuses the KV of a head it shares with a recent one in whole blocks of 32 tokens,

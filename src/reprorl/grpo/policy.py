@@ -146,7 +146,7 @@ def make_trainable(model, args: AsyncGRPOConfig, peft_config, lora_path
     model. A model that already carries LoRA layers keeps them (and the rank it has)."""
     if not args.use_peft:
         refuse_full_with_adapter(model, peft_config, lora_path)
-        for parameter in model.parameters():
+        for parameter in model.parameters():  # the full model: every weight trains
             parameter.requires_grad_(True)
         return None, None
     if lora_settings(model) is None:  # a fresh adapter: peft_config's r, else the config's

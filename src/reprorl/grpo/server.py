@@ -96,6 +96,9 @@ def error_response(error: ApiError) -> web.Response:
                              status=error.status)
 
 
+# ---------------------------------------------------------------- HTTP
+
+
 def json_logprob(value: float) -> float:
     """A log-prob as vLLM writes it: -inf (a token truncation removed) as -9999.0, which JSON
     can hold."""

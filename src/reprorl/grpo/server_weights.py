@@ -5,9 +5,10 @@ any mix of adapters can run in one forward (one per batch row while decoding, on
 input while prefilling). `read_adapter` reads a PEFT directory (as `lora.export_peft` writes it)
 and `read_weights` a `save_pretrained` directory, each checked against the model before anything
 is used: known names, the model's shapes, finite values, regular files under the allowed root.
-Every fault is an `ApiError` with vLLM's status (400 bad input, 404 nothing there), which the
-server answers as JSON. `number` and `refuse_constant` check JSON numbers as the API does, for
-request bodies and adapter configs alike.
+A fault in what a client sent is an `ApiError` with vLLM's status (400 bad input, 404 nothing
+there), which the server answers as JSON. `number` checks a JSON number as the API does, for
+request bodies and adapter configs alike; `refuse_constant`, `json.loads`' `parse_constant`
+hook, refuses NaN and Infinity with a ValueError, which both callers answer with a 400.
 """
 
 from __future__ import annotations
