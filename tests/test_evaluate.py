@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from reprorl import evaluate, generate, uncertainty
+from reprorl import evaluate, generate, results_markdown, uncertainty
 from reprorl.corpus import HeldOutError
 from reprorl.manifest import ReproError, write_json
 
@@ -152,7 +152,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
     judged = prompted([row(True, True, False), row(False, False)])
     metrics = {**evaluate.summarize(judged), "intervals_95": uncertainty.intervals(judged)}
     results = {
-        "scope": evaluate.SCOPE,
+        "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME,
         "policies": {"sft": {"metrics": {"test_rows": metrics}}},
         "reward_model_test": {"accuracy": 0.9, "correct": 162, "ties": 0},
         "resume_checks": {"sft": {"status": "PASS"}},
@@ -168,7 +168,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
         "training_record": TRAINING_RECORD,
         "over_optimisation": OVER_OPTIMISATION,
     }
-    markdown = evaluate.markdown(results)
+    markdown = results_markdown.markdown(results)
     assert "| policy | population | rows | rubric success |" in re.sub(r" {2,}", " ", markdown)
     assert re.search(r"^\|:?-+\|:?-+\|", markdown, flags=re.MULTILINE)  # pandas' pipe tables
     text = re.sub(r" {2,}", " ", markdown)  # the cells without the columns' padding
