@@ -8,6 +8,7 @@ multiprocessing queues, a locked counter for a shared `multiprocessing.Value`, a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -584,3 +585,26 @@ def test_no_reward_source_is_refused_at_train_before_any_process(tiny_model, tmp
     with pytest.raises(ValueError, match="nothing scores a completion"):
         trainer.train()
     assert not (tmp_path / "out").exists() and trainer.server is None
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_training_mode_is_the_seeds_inside_and_the_callers_after(gradient_checkpointing):
+    """Inside: dropout off, checkpointing as asked, train() only with checkpointing. After, on
+    success or on an error: the caller's mode and checkpointing, as the model was given."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from reprorl.grpo.policy import checkpointing_on, training_mode
+
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, attention_dropout=0.1)).eval()
+    for failing in (False, True):
+        with contextlib.suppress(RuntimeError):
+            with training_mode(model, gradient_checkpointing):
+                assert model.training is gradient_checkpointing
+                assert checkpointing_on(model) is gradient_checkpointing
+                assert all(module.attention_dropout == 0.0 for module in model.modules()
+                           if hasattr(module, "attention_dropout"))
+                if failing:
+                    raise RuntimeError("a failed run")
+        assert model.training is False and checkpointing_on(model) is False

@@ -10,6 +10,7 @@ dropout off, activation checkpointing as the config says.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -48,6 +49,22 @@ def checkpointing_on(model) -> bool:
         if hasattr(type(model), name):
             return bool(getattr(model, name))
     return False
+
+
+@contextlib.contextmanager
+def training_mode(model, gradient_checkpointing: bool):
+    """The seed's training mode while the block runs: dropout off, checkpointing as asked, and
+    `model.train()` only with checkpointing (HF checkpoints in training mode only); the
+    caller's model gets its mode and checkpointing back after, whatever happens."""
+    was_training, was_checkpointing = model.training, checkpointing_on(model)
+    disable_dropout(model)
+    checkpointing(model, gradient_checkpointing)
+    model.train(gradient_checkpointing)
+    try:
+        yield model
+    finally:
+        checkpointing(model, was_checkpointing)
+        model.train(was_training)
 
 
 # The LoRA this engine trains (`lora.inject`): PEFT's defaults, on every projection. A

@@ -78,15 +78,7 @@ from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
 from .metrics import MetricsLog, MetricsWindow, console_line
 from .objective import microbatch_loss, sequence_logprobs
-from .policy import (
-    checkpointing,
-    checkpointing_on,
-    disable_dropout,
-    load_full_into,
-    load_policy,
-    make_trainable,
-    save_full,
-)
+from .policy import load_full_into, load_policy, make_trainable, save_full, training_mode
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import (
     AsyncRolloutLoop,
@@ -607,27 +599,23 @@ class AsyncGRPOTrainer:
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _terminate)
-        model_state = self.model.training, checkpointing_on(self.model)
-        disable_dropout(self.model)
-        checkpointing(self.model, args.gradient_checkpointing)
-        self.model.train(args.gradient_checkpointing)  # HF checkpoints in training mode only
-        self.forward_model = self.ranks.wrap(self.model)  # every rank: DDP syncs them here
-        if self.ranks.distributed and self.ranks.main:
-            timeout = ("" if self.ranks.timeout_s is None
-                       else f", ddp_timeout {self.ranks.timeout_s:g} s")
-            self.log(f"trainer ranks: {self.ranks.world_size} ({self.ranks.backend}{timeout})")
-        try:
-            if self.ranks.main:
-                self._lead()
-            else:
-                self._follow()
-        finally:
-            self._stop_processes()
-            self.forward_model = self.model
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
-            checkpointing(self.model, model_state[1])  # the caller's model as it was given
-            self.model.train(model_state[0])
+        with training_mode(self.model, args.gradient_checkpointing):  # restored after
+            self.forward_model = self.ranks.wrap(self.model)  # every rank: DDP syncs them here
+            if self.ranks.distributed and self.ranks.main:
+                timeout = ("" if self.ranks.timeout_s is None
+                           else f", ddp_timeout {self.ranks.timeout_s:g} s")
+                self.log(f"trainer ranks: {self.ranks.world_size} "
+                         f"({self.ranks.backend}{timeout})")
+            try:
+                if self.ranks.main:
+                    self._lead()
+                else:
+                    self._follow()
+            finally:
+                self._stop_processes()
+                self.forward_model = self.model
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
         mean_loss = run.loss_sum / max(1, run.global_step)
         return TrainOutput(run.global_step, mean_loss, {"train_loss": mean_loss})
 
