@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from reprorl.grpo import checkpoints
 from reprorl.grpo.batching import TokenBudgetBatcher
 from reprorl.grpo.ledger import PositionLedger
 from reprorl.grpo.metrics import MetricsWindow
@@ -81,6 +82,38 @@ def test_ledger_state_round_trip():
     resumed.arrive(1, 0)
     assert resumed.cursor == 4  # 0 and 1 now, 2 and 3 from the checkpoint
     assert not resumed.all_arrived()  # 4..9 are still to come
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoints_are_ordered_by_step_and_a_resume_takes_the_newest(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint-"):
+        checkpoints.latest(tmp_path)
+    for step in (2, 10, 9):
+        checkpoints.directory(tmp_path, step).mkdir()
+    (tmp_path / ".checkpoint-11.abc.tmp").mkdir()  # a killed save's scratch: not one
+    assert [checkpoints.step_of(p) for p in checkpoints.found(tmp_path)] == [2, 9, 10]
+    assert checkpoints.latest(tmp_path) == tmp_path / "checkpoint-10"
+
+
+def test_a_fixed_schedule_checkpoint_resumes_at_its_next_block_with_its_versions():
+    ledger = PositionLedger(end=10)
+    for position, samples in ((0, 0), (1, 0), (3, 0)):
+        ledger.arrive(position, samples)
+    free = SimpleNamespace(schedule_lag=None, groups_per_step=4)
+    assert checkpoints.cursor_state(ledger, 3, free) == ledger.state()
+    fixed = SimpleNamespace(schedule_lag=1, groups_per_step=4)
+    # version 2 trained blocks 0 and 1: block 2 starts at position 8, whatever has arrived
+    assert checkpoints.cursor_state(ledger, 2, fixed) == {
+        "next_prompt_index": 8, "consumed_after_cursor": []}
+    assert checkpoints.cursor_state(ledger, 3, fixed)["next_prompt_index"] == 10  # the end
+    folder = Path("checkpoint-5")
+    assert checkpoints.scheduled_versions(folder, 2, 5) == [
+        (3, folder / "versions" / "v3"), (4, folder / "versions" / "v4")]
+    assert checkpoints.scheduled_versions(folder, 2, 1) == [(0, folder / "versions" / "v0")]
+    assert checkpoints.scheduled_versions(folder, None, 5) == []  # free-running
+    assert checkpoints.scheduled_versions(None, 2, 5) == []  # a fresh run
 
 
 # ---------------------------------------------------------------- the sample queue

@@ -37,7 +37,7 @@ from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
 from .exports import load_final, save_final, verified_final
-from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer, checkpoints
 from .grpo.distributed import ranks_from_env
 from .grpo.metrics import read_windows, reproducible
 from .manifest import (
@@ -46,7 +46,6 @@ from .manifest import (
     cpu_seconds,
     gpu_memory,
     peak_rss_mb,
-    read_json,
     refuse_to_overwrite,
     write_json,
 )
@@ -152,17 +151,17 @@ def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
     """A branch state (as `resumable` compares it) from the engine's checkpoint folder."""
     from safetensors.torch import load_file
 
-    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True,
-                       map_location="cpu")
+    saved = checkpoints.trainer_state(checkpoint)
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file())
     return {
         "identity": identity,
-        "learned": {"actor": load_file(checkpoint / "adapter/adapter_model.safetensors")},
+        "learned": {"actor": load_file(checkpoint / checkpoints.policy_folder(use_peft=True)
+                                       / "adapter_model.safetensors")},
         "optimizers": {"actor": saved["optimizer"]},
         "rng": {"torch": saved["torch_rng"],
                 **({"cuda": saved["cuda_rng"]} if "cuda_rng" in saved else {})},
         "updates": saved["global_step"],
-        "progress": {"rollout_state": read_json(checkpoint / "rollout_state.json"),
+        "progress": {"rollout_state": checkpoints.rollout_state(checkpoint),
                      "num_tokens": saved["num_tokens"], "loss_sum": saved["loss_sum"],
                      "history": windows},
         "checkpoint": {str(p.relative_to(checkpoint)): as_tensor(p.read_bytes()) for p in files},
@@ -171,7 +170,7 @@ def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
 
 def restore_checkpoint(state: dict, output_dir: Path) -> Path:
     """The interrupt's checkpoint folder, written back byte for byte under `output_dir`."""
-    checkpoint = output_dir / f"checkpoint-{state['updates']}"
+    checkpoint = checkpoints.directory(output_dir, state["updates"])
     for name, data in state["checkpoint"].items():
         atomic_write_bytes(checkpoint / name, data.numpy().tobytes())
     return checkpoint
@@ -253,7 +252,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     metrics = output_dir / "metrics.jsonl"
     windows = windows + history(metrics)
     storage = save_state(layout.state(branch, mode), engine_state(
-        identity, output_dir / f"checkpoint-{result.global_step}", windows))
+        identity, checkpoints.directory(output_dir, result.global_step), windows))
     atomic_write_bytes(layout.metrics_log(stage_name),
                        metrics.read_bytes() if metrics.is_file() else b"")
     if mode == "resume":
@@ -261,9 +260,9 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     if mode == "continuous":
         with atomic_directory(layout.snapshots(branch)) as folder:
             snapshots.write_plan(folder, planned)
-            for checkpoint in output_dir.glob("checkpoint-*"):
-                step = int(checkpoint.name.removeprefix("checkpoint-"))
-                shutil.copytree(checkpoint / "adapter", folder / snapshots.snapshot_name(step))
+            for checkpoint in checkpoints.found(output_dir):
+                shutil.copytree(checkpoint / checkpoints.policy_folder(use_peft=True),
+                                folder / snapshots.snapshot_name(checkpoints.step_of(checkpoint)))
     shutil.rmtree(output_dir, ignore_errors=True)  # its final checkpoint is in the state
     keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
             "sample/staleness_mean", "sample/dropped_stale_count", "completions/mean_length",

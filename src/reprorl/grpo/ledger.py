@@ -7,7 +7,7 @@ cursor is the first position not yet consumed; `consumed_after_cursor` holds the
 beyond it already consumed (groups finish out of order). The two are what `rollout_state.json`
 keeps when free-running, so a resumed worker starts at the cursor, skips exactly those
 positions, and neither skips nor replays a prompt (a fixed schedule's checkpoint keeps the next
-block's start alone: the trainer's `_cursor_state`).
+block's start alone: `checkpoints.cursor_state`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ The parts: `SampleQueue` (micro-batches off the worker's queue), `PositionLedger
 cursor), `WorkerHandle` / `ServerProcess` (the child processes), `AdapterVersions` /
 `MergedVersions` (weight versions), `Ranks` (`distributed.py`: under torchrun, rank 0 runs all
 of the above and deals each step's micro-batches to the other ranks, which train beside it
-with DDP), and the policy's loading, adapter and saving (`policy.py`); the per-run state is
-one `TrainingRun`.
+with DDP), the policy's loading, adapter and saving (`policy.py`) and the checkpoints a resume
+starts from (`checkpoints.py`); the per-run state is one `TrainingRun`.
 
 Departures from the seed (TRL's trainer): `peft_config=None` trains a fresh LoRA of `lora_rank`
 unless `use_peft=False` (TRL: the full model); a LoRA always syncs as an adapter (TRL merges it
@@ -33,7 +33,6 @@ names), so a checkpoint never depends on which groups happened to have arrived.
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import math
 import multiprocessing as mp
@@ -52,7 +51,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import devices, lora
-from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
+from . import checkpoints
 from . import server as embedded_server  # started by module name; imported for the code hash
 from .agents import (
     check_prefix_preserving,
@@ -78,7 +77,7 @@ from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
 from .metrics import MetricsLog, MetricsWindow, console_line
 from .objective import microbatch_loss, sequence_logprobs
-from .policy import load_full_into, load_policy, make_trainable, save_full, training_mode
+from .policy import load_policy, make_trainable, save_full, training_mode
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
 from .rollout import (
     AsyncRolloutLoop,
@@ -284,11 +283,11 @@ class AsyncGRPOTrainer:
         # checkpoint keeps this one (a resume restores it below)
         torch.manual_seed(args.seed)
         if resume_from_checkpoint:
-            checkpoint = (self._checkpoints()[-1] if resume_from_checkpoint is True
+            checkpoint = (checkpoints.latest(self.output_dir) if resume_from_checkpoint is True
                           else Path(resume_from_checkpoint))
-            state = read_json(checkpoint / "rollout_state.json")
+            state = checkpoints.rollout_state(checkpoint)
             refuse_other_run(checkpoint, state, identity, args)
-            counters = self._restore(checkpoint, optimizer)
+            counters = checkpoints.restore(checkpoint, self.model, optimizer, args.use_peft)
             ledger, version = PositionLedger.from_state(state, end), state["model_version"]
         run = TrainingRun(optimizer, identity, ledger,
                           mp.get_context("spawn").RawValue("q", version),
@@ -352,7 +351,8 @@ class AsyncGRPOTrainer:
             run.weights = MergedVersions(admin, self.lora_dir, self.model_path, run.version,
                                          self._export_policy, check)
         current = run.version.value
-        for version, source in self._scheduled_versions(run.checkpoint):
+        for version, source in checkpoints.scheduled_versions(run.checkpoint, args.schedule_lag,
+                                                              current):
             run.weights.publish(version, source)  # a resumed fixed schedule's older versions
         self._sync(current)  # cold: the server serves this policy before any rollout
         run.allowance.value = float(  # before the first step: full rows
@@ -468,11 +468,6 @@ class AsyncGRPOTrainer:
 
     # ------------------------------------------------------------ weights and checkpoints
 
-    @property
-    def policy_folder(self) -> str:
-        """A checkpoint's folder of the trained weights: `adapter` (PEFT) or `model` (full)."""
-        return "adapter" if self.args.use_peft else "model"
-
     def _export_policy(self, directory: Path) -> None:
         """The trained weights as the server loads them: a PEFT adapter, or full weights."""
         if self.args.use_peft:
@@ -486,72 +481,11 @@ class AsyncGRPOTrainer:
         self.run.window.add("perf/weight_sync_transfer_s", transfer_s)
         return sync_s
 
-    def _scheduled_versions(self, checkpoint: Path | None) -> list[tuple[int, Path]]:
-        """The versions before the newest that a fixed schedule still samples from, as
-        stored in `checkpoint` (`versions/v<N>`): the next blocks are sampled by them."""
-        lag, version = self.args.schedule_lag, self.run.version.value
-        if not lag or checkpoint is None:
-            return []
-        wanted = range(max(0, version - lag), version)
-        return [(v, checkpoint / "versions" / f"v{v}") for v in wanted]
-
-    def _checkpoints(self) -> list[Path]:
-        """checkpoint-<step> directories, oldest first."""
-        found = sorted(self.output_dir.glob("checkpoint-*"),
-                       key=lambda p: int(p.name.split("-")[1]))
-        if not found:
-            raise FileNotFoundError(f"no checkpoint-* in {self.output_dir} to resume from")
-        return found
-
     def _save_checkpoint(self) -> Path:
         run = self.run
         run.saved = (run.global_step, run.version.value)
-        directory = self.output_dir / f"checkpoint-{run.global_step}"
-        with atomic_directory(directory) as scratch:
-            self._export_policy(scratch / self.policy_folder)
-            for version, _ in self._scheduled_versions(directory):  # the files as served
-                name = f"v{version}"
-                shutil.copytree(self.lora_dir / name, scratch / "versions" / name)
-            rng = {"torch_rng": torch.get_rng_state()}
-            gpus = devices.cuda_rng_states(self.device)
-            if gpus is not None:  # a run on a GPU
-                rng["cuda_rng"] = gpus
-            buffer = io.BytesIO()
-            torch.save({"optimizer": run.optimizer.state_dict(),
-                        "global_step": run.global_step, "num_tokens": run.num_tokens,
-                        **rng, "loss_sum": run.loss_sum}, buffer)
-            atomic_write_bytes(scratch / "trainer_state.pt", buffer.getvalue())
-            write_json(scratch / "rollout_state.json", {
-                **self._cursor_state(), "model_version": run.version.value,
-                "global_step": run.global_step, **run.identity})
-        if self.args.save_total_limit:
-            for old in self._checkpoints()[: -self.args.save_total_limit]:
-                shutil.rmtree(old)
-        return directory
-
-    def _cursor_state(self) -> dict:
-        """The ledger's part of a checkpoint. A fixed schedule resumes at its next block, whose
-        positions are all generated again (seeded, by the versions the checkpoint keeps): the
-        state then never depends on which later groups happened to have arrived."""
-        run, args = self.run, self.args
-        if args.schedule_lag is None:
-            return run.ledger.state()
-        start = run.version.value * args.groups_per_step
-        return PositionLedger(start if run.ledger.end is None
-                              else min(start, run.ledger.end)).state()
-
-    def _restore(self, checkpoint: Path, optimizer) -> dict:
-        """Policy, optimizer and RNG from `checkpoint`; returns the run's counters."""
-        load = lora.load_peft_into if self.args.use_peft else load_full_into
-        load(self.model, checkpoint / self.policy_folder)
-        saved = torch.load(checkpoint / "trainer_state.pt", weights_only=True,
-                           map_location="cpu")
-        optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["torch_rng"])
-        if "cuda_rng" in saved:  # a run on a GPU
-            devices.restore_cuda_rng(saved["cuda_rng"])
-        return {"global_step": saved["global_step"], "num_tokens": saved["num_tokens"],
-                "loss_sum": saved["loss_sum"]}
+        return checkpoints.save(self.output_dir, run, self.args, self._export_policy,
+                                self.lora_dir, self.device)
 
     # ------------------------------------------------------------ the loss
 
@@ -636,7 +570,7 @@ class AsyncGRPOTrainer:
             # the last checkpoint may predate blocks that trained nothing (a fixed schedule's
             # empty blocks still publish versions): the final one holds where the run ended
             if args.save_strategy != "no" and run.saved != (run.global_step, run.version.value):
-                shutil.rmtree(self.output_dir / f"checkpoint-{run.global_step}",
+                shutil.rmtree(checkpoints.directory(self.output_dir, run.global_step),
                               ignore_errors=True)  # this run's own, from before those blocks
                 self._save_checkpoint()
         except BaseException as error:
@@ -868,8 +802,8 @@ class AsyncGRPOTrainer:
         run.window.clear()
         metrics["num_tokens"] = run.num_tokens
         if epoch_length(self.rows):  # a stream's is not known
-            metrics["epoch"] = (self._cursor_state()["next_prompt_index"]
-                                / epoch_length(self.rows))
+            cursor = checkpoints.cursor_state(run.ledger, run.version.value, self.args)
+            metrics["epoch"] = cursor["next_prompt_index"] / epoch_length(self.rows)
         run.metrics_log.write(run.global_step, metrics)
         self.log(console_line(run.global_step, metrics))
         if self.args.log_completions and samples:
