@@ -22,6 +22,18 @@ def test_shipped_profiles_validate(profile):
     assert result["seed"] == 49 and result["limits"]["response_tokens"] == 64
 
 
+@pytest.mark.parametrize("profile", sorted((ROOT / "configs").glob("*.yaml")), ids=str)
+def test_a_profile_reads_the_same_from_the_command_line_as_under_snakemake(profile):
+    """`reprorl <stage> --config PROFILE` fills what the profile leaves out from the schema;
+    Snakemake from configs/default.yaml, which it loads first and merges the profile over.
+    So every value default.yaml sets other than the schema's default must be set again by
+    each profile, or the two ways of running it would train different things."""
+    from snakemake.utils import update_config
+
+    merged = yaml.safe_load((ROOT / "configs/default.yaml").read_text())
+    update_config(merged, yaml.safe_load(profile.read_text()))
+    assert configuration.validate(merged) == configuration.load(profile)
+
 def test_defaults_are_filled():
     result = configuration.validate({})
     assert result["model"]["embedded"]["hidden_size"] == 256
