@@ -35,7 +35,7 @@ from reprorl import config as configuration
 from reprorl import exports, layout
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from reprorl.grpo.metrics import read_windows
+from reprorl.grpo.metrics import metrics_file, read_windows
 from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset, engine_settings
 
 REPORTED = ("perf/rollout_wait_s", "rollout/backpressure_s", "rollout/queue_size",
@@ -68,7 +68,7 @@ def arm(config: dict, name: str, steps: int, workdir: Path, reward: str, lag: in
     started = time.perf_counter()
     result = trainer.train()
     seconds = time.perf_counter() - started
-    windows = read_windows(output_dir / "metrics.jsonl")
+    windows = read_windows(metrics_file(output_dir))
     trained = [w for w in windows if w.get("batch/samples_per_step") is not None]
     samples = sum(w["batch/samples_per_step"] for w in trained)
     tokens = sum(w["batch/trained_tokens_per_step"] for w in trained)

@@ -102,7 +102,7 @@ from reprorl import config as configuration
 from reprorl import exports, layout
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from reprorl.grpo.metrics import read_windows
+from reprorl.grpo.metrics import metrics_file, read_windows
 from reprorl.grpo.rollout import epoch_order
 from reprorl.grpo_run import RubricVerifier, dataset, engine_settings
 
@@ -187,7 +187,7 @@ def reprorl_arm(config: dict, rows: list[dict], steps: int, workdir: Path,
     started = time.monotonic()
     result = trainer.train()
     wall = time.monotonic() - started
-    windows = read_windows(output_dir / "metrics.jsonl")
+    windows = read_windows(metrics_file(output_dir))
     trained = [w for w in windows if w.get("batch/samples_per_step") is not None]
 
     def total(key: str) -> float:

@@ -31,7 +31,7 @@ from _build import ensure_built  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
 from reprorl import corpus
-from reprorl.grpo.metrics import read_windows
+from reprorl.grpo.metrics import metrics_file, read_windows
 from reprorl.grpo_run import engine_settings
 
 LENGTHS, WIDTHS = (16, 32, 64, 128), (128, 256, 512, 896)
@@ -75,7 +75,7 @@ def point(profile: dict, width: int, length: int, steps: int, workdir: Path) -> 
     rows = [{"prompt": [{"role": "user", "content": p["prompt"]}]}
             for p in corpus.rollout_prompts()]
     AsyncGRPOTrainer(path, even_share, args, rows, log=lambda message: None).train()
-    windows = read_windows(workdir / name / "run" / "metrics.jsonl")
+    windows = read_windows(metrics_file(workdir / name / "run"))
     steady = [w for w in windows if w.get("perf/step_s") is not None][1:]  # after start-up
     if not steady:
         raise RuntimeError(f"{name}: no step after the first was logged; raise --steps")

@@ -164,6 +164,8 @@ def train(model: Path, output: Path, max_steps: int = 6, log=print, loop_cls=Non
 
 
 def main() -> None:
+    from reprorl.grpo.metrics import metrics_file, read_windows
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="a base model directory (default: build "
                         "the CI-size embedded base under --output)")
@@ -176,8 +178,7 @@ def main() -> None:
     warm_s = time.monotonic() - started
     train(policy, options.output / "grpo", options.max_steps,
           log=lambda message: print(message, file=sys.stderr))
-    windows = [json.loads(line) for line in
-               (options.output / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    windows = read_windows(metrics_file(options.output / "grpo"))
     keys = ("reward", "rewards/IncrementEnv/mean", "tools/call_frequency",
             "tools/failure_frequency", "tools/increment/call_count", "rollout/turns_mean",
             "rollout/fork_frac", "completions/mean_length")

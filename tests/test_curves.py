@@ -15,6 +15,13 @@ def test_snapshot_points_are_the_quarters_and_the_end():
     assert snapshots.points(3) == [1, 2, 3] and snapshots.points(1) == [1]
 
 
+def test_snapshots_are_found_in_step_order(tmp_path):
+    for step in (100, 25, 7):
+        (tmp_path / snapshots.snapshot_name(step)).mkdir()
+    (tmp_path / snapshots.PLAN).write_text("{}")  # beside them, not one of them
+    assert [snapshots.step_of(p) for p in snapshots.found(tmp_path)] == [7, 25, 100]
+
+
 def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():
     config = configuration.validate({})
     assert seeds.seed_config(config, 49) == config  # the defaults are seed 49's

@@ -111,7 +111,7 @@ def curve(config: dict, branch: str, log=print) -> dict:
     """curve_<branch>: every snapshot of the branch's straight run, in step order."""
     folder = layout.snapshots(branch)
     record_read(folder)
-    kept = sorted(folder.glob("step-*"))
+    kept = snapshots.found(folder)
     if not kept:
         raise ReproError(f"{folder} holds no snapshot: rerun {branch}_continuous")
     reference, reference_meta = load_final("sft", "reference", config)
@@ -123,7 +123,7 @@ def curve(config: dict, branch: str, log=print) -> dict:
     for path in kept:
         lora.load_peft_into(actor.backbone, path)
         point = measure(actor, reward, tokenizer, config["limits"], validation, reference)
-        point["step"] = int(path.name.removeprefix("step-"))
+        point["step"] = snapshots.step_of(path)
         measured.append(point)
         log(f"{branch} step {point['step']}: gold {point['rubric_success_rate']:.3f}, proxy "
             f"{point['mean_learned_score']:.3f}, distance {point['sampled_logratio']:.3f}")

@@ -222,7 +222,8 @@ class Engine(threading.Thread):
     """
 
     def __init__(self, model, switches: dict[str, torch.nn.Module], max_num_seqs: int,
-                 capacity: int, max_len: int, rows: int = 16, prefixes: OrderedDict | None = None):
+                 capacity: int, max_len: int, rows: int = SPAN_ROWS,
+                 prefixes: OrderedDict | None = None):
         """`switches`: the model's adapter layers (`server_weights.Switch`) by name; {} for none.
         `prefixes`: a prefill store to share with other engines on the same weights and
         thread count, which keeps every prompt (the caller drops it when the weights change,

@@ -39,7 +39,7 @@ from .errors import ReproError
 from .exports import load_final, save_final, verified_final
 from .grpo import AsyncGRPOConfig, AsyncGRPOTrainer, checkpoints
 from .grpo.distributed import ranks_from_env
-from .grpo.metrics import read_windows, reproducible
+from .grpo.metrics import metrics_file, read_windows, reproducible
 from .manifest import (
     atomic_directory,
     atomic_write_bytes,
@@ -249,7 +249,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     if mode != "resume" and result.global_step and roles.learned_identity(actor) == initial:
         raise ReproError(f"GRPO ({run}) took {result.global_step} steps but left the actor "
                          "unchanged")
-    metrics = output_dir / "metrics.jsonl"
+    metrics = metrics_file(output_dir)
     windows = windows + history(metrics)
     storage = save_state(layout.state(branch, mode), engine_state(
         identity, checkpoints.directory(output_dir, result.global_step), windows))

@@ -29,8 +29,20 @@ def points(total: int) -> list[int]:
     return sorted({*range(every(total), total, every(total)), total})
 
 
+SNAPSHOT_PREFIX = "step-"
+
+
 def snapshot_name(step: int) -> str:
-    return f"step-{step:04d}"
+    return f"{SNAPSHOT_PREFIX}{step:04d}"
+
+
+def step_of(snapshot: Path) -> int:
+    return int(snapshot.name.removeprefix(SNAPSHOT_PREFIX))
+
+
+def found(folder: Path) -> list[Path]:
+    """The snapshots kept in `folder`, in step order."""
+    return sorted(folder.glob(f"{SNAPSHOT_PREFIX}*"), key=step_of)
 
 
 def keep(model, folder: Path, step: int, base_path: str) -> None:

@@ -25,10 +25,12 @@ from .. import devices, lora
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from .ledger import PositionLedger
 from .policy import load_full_into
+from .weights import version_folder
 
 PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.pt"
 ROLLOUT_STATE = "rollout_state.json"
+VERSIONS = "versions"  # a fixed schedule's older versions, as `weights.version_folder` lays them
 
 
 def policy_folder(use_peft: bool) -> str:
@@ -71,7 +73,7 @@ def scheduled_versions(checkpoint: Path | None, schedule_lag: int | None, versio
     from, as `checkpoint` stores them (`versions/v<N>`); none when free-running."""
     if not schedule_lag or checkpoint is None:
         return []
-    return [(v, checkpoint / "versions" / f"v{v}")
+    return [(v, version_folder(checkpoint / VERSIONS, v))
             for v in range(max(0, version - schedule_lag), version)]
 
 
@@ -94,7 +96,7 @@ def save(output_dir: Path, run, args, export_policy, lora_dir: Path, device) -> 
     with atomic_directory(folder) as scratch:
         export_policy(scratch / policy_folder(args.use_peft))
         for v, _ in scheduled_versions(folder, args.schedule_lag, version):
-            shutil.copytree(lora_dir / f"v{v}", scratch / "versions" / f"v{v}")
+            shutil.copytree(version_folder(lora_dir, v), version_folder(scratch / VERSIONS, v))
         rng = {"torch_rng": torch.get_rng_state()}
         gpus = devices.cuda_rng_states(device)
         if gpus is not None:  # a run on a GPU

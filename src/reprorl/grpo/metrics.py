@@ -111,6 +111,12 @@ class MetricsLog:
             os.fsync(handle.fileno())
 
 
+def metrics_file(output_dir: str | Path) -> Path:
+    """Where the trainer's `MetricsLog` writes: `<output_dir>/metrics.jsonl`, as TRL's
+    trainer keeps its log history under its output_dir."""
+    return Path(output_dir) / "metrics.jsonl"
+
+
 def read_windows(path: str | Path) -> list[dict]:
     """The windows a `MetricsLog` wrote, oldest first; none when the file is absent."""
     path = Path(path)

@@ -68,6 +68,7 @@ from aiohttp import web
 from .. import devices
 from ..engine import WORK, Adapter, ApiError, Engine, Sequence
 from ..errors import ReproError
+from ..invariance import SPAN_ROWS
 from ..logprobs import Params
 from .server_weights import (
     copy_weights,
@@ -562,9 +563,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         help="load adapters only from below this directory (default: anywhere)")
     add("--max-model-len", type=count(1), default=None, help="default: max_position_embeddings")
     add("--max-num-seqs", type=count(1), default=64, help="running sequences at most")
-    add("--decode-rows", type=count(1), default=16,
+    add("--decode-rows", type=count(1), default=SPAN_ROWS,
         help="rows of a decode group: a forward decodes one group, a fixed shape, or with "
-             "one thread and 16 rows or more every group in use (batch invariance)")
+             f"one thread and {SPAN_ROWS} rows or more every group in use (batch invariance)")
     add("--max-waiting-requests", type=count(1), default=1024,
         help="queued requests at most; more are refused with 503")
     add("--max-request-bytes", type=count(1024), default=2 << 20,

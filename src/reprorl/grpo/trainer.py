@@ -75,7 +75,7 @@ from .distributed import (
 )
 from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
-from .metrics import MetricsLog, MetricsWindow, console_line
+from .metrics import MetricsLog, MetricsWindow, console_line, metrics_file
 from .objective import microbatch_loss, sequence_logprobs
 from .policy import load_policy, make_trainable, save_full, training_mode
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
@@ -89,7 +89,14 @@ from .rollout import (
 from .rows import STREAM_STALL_POSITIONS, as_rows, epoch_length, first_row
 from .sample_queue import SampleQueue, StalledRun
 from .samples import Sample
-from .weights import AdapterVersions, MergedVersions, SyncCheck, refuse_unfit_server
+from .weights import (
+    AdapterVersions,
+    MergedVersions,
+    SyncCheck,
+    live_versions,
+    lora_slots,
+    refuse_unfit_server,
+)
 
 LORA_NAME = "policy"  # served as policy-<run tag>-v<N>: unique to each train() call
 
@@ -291,7 +298,7 @@ class AsyncGRPOTrainer:
             ledger, version = PositionLedger.from_state(state, end), state["model_version"]
         run = TrainingRun(optimizer, identity, ledger,
                           mp.get_context("spawn").RawValue("q", version),
-                          MetricsLog(self.output_dir / "metrics.jsonl",
+                          MetricsLog(metrics_file(self.output_dir),
                                      resume=checkpoint is not None) if self.ranks.main else None,
                           logging_every, save_every, checkpoint, **counters)
         if checkpoint is not None and self.ranks.main:
@@ -325,7 +332,7 @@ class AsyncGRPOTrainer:
                          self.output_dir / "server.log")
         if not args.embedded_server:  # a server started by somebody else: can it hold us?
             refuse_unfit_server(admin.base_url, admin.metrics(),
-                                args.max_staleness + 2 if args.use_peft else 0)
+                                lora_slots(args.max_staleness) if args.use_peft else 0)
         run.sampling_mask = False
         if args.truncated_sampling:
             missing = admin.sampling_mask_missing(self.model_path, self.eos_token_ids[:1])
@@ -346,7 +353,7 @@ class AsyncGRPOTrainer:
         if args.use_peft:  # named policy-<tag>: this train() call's, the worker's too
             run.weights = AdapterVersions(
                 admin, self.lora_dir, f"{LORA_NAME}-{secrets.token_hex(4)}",
-                args.max_staleness + 1, run.version, self._export_policy, check)
+                live_versions(args.max_staleness), run.version, self._export_policy, check)
         else:
             run.weights = MergedVersions(admin, self.lora_dir, self.model_path, run.version,
                                          self._export_policy, check)
@@ -375,7 +382,7 @@ class AsyncGRPOTrainer:
                    "--lora-root", str(self.lora_dir),
                    "--threads", str(args.embedded_server_threads),
                    "--max-num-seqs", str(args.embedded_server_max_num_seqs),
-                   "--max-loras", str(args.max_staleness + 2),
+                   "--max-loras", str(lora_slots(args.max_staleness)),
                    "--max-lora-rank", str(max(self.rank or 0, 8)),
                    "--max-logprobs", str(max(args.num_sampler_logprobs, 1)),
                    "--dtype", self.serving_dtype(), "--seed", str(args.seed),

@@ -26,6 +26,24 @@ import time
 from pathlib import Path
 
 
+def version_folder(directory: Path, version: int) -> Path:
+    """Where `version`'s weights are written under `directory` (a checkpoint keeps a fixed
+    schedule's older versions in the same layout, under its `versions/`)."""
+    return Path(directory) / f"v{version}"
+
+
+def live_versions(max_staleness: int) -> int:
+    """Adapter versions kept loaded: every sample the trainer may still accept was sampled
+    under one of the `max_staleness + 1` newest."""
+    return max_staleness + 1
+
+
+def lora_slots(max_staleness: int) -> int:
+    """Adapters a server must hold at once (its --max-loras): the live versions and the new
+    one, loaded before the oldest is unloaded."""
+    return live_versions(max_staleness) + 1
+
+
 def served_name(name: str, version: int) -> str:
     """The model name a request uses to sample under `version` (the worker's and ours)."""
     return f"{name}-v{version}"
@@ -50,9 +68,9 @@ class AdapterVersions:
         at `source`); returns (transfer seconds, total seconds)."""
         started = time.monotonic()
         for old in self.retired:  # a whole sync since their unload: no request can need them
-            shutil.rmtree(self.directory / f"v{old}", ignore_errors=True)
+            shutil.rmtree(version_folder(self.directory, old), ignore_errors=True)
         self.retired = []
-        directory = self.directory / f"v{version}"
+        directory = version_folder(self.directory, version)
         shutil.rmtree(directory, ignore_errors=True)
         if source is None:
             self.export(directory)
@@ -119,9 +137,9 @@ class MergedVersions:
                              "older versions needs LoRA (use_peft=True)")
         started = time.monotonic()
         for old in self.retired:
-            shutil.rmtree(self.directory / f"v{old}", ignore_errors=True)
+            shutil.rmtree(version_folder(self.directory, old), ignore_errors=True)
         self.retired = [] if self.current is None else [self.current]
-        directory = self.directory / f"v{version}"
+        directory = version_folder(self.directory, version)
         shutil.rmtree(directory, ignore_errors=True)
         self.export(directory)
         self.changed, self.current = True, version  # before the call: it may half-succeed
