@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import yaml
@@ -53,7 +54,11 @@ def test_pipeline_defaults_differ_from_the_configs_only_where_said():
     assert not unexplained, f"schema vs AsyncGRPOConfig defaults: {unexplained}"
     assert differ == PIPELINE_DIFFERENCES.keys(), "a listed difference is no longer one"
     for name, why in PIPELINE_DIFFERENCES.items():
-        assert why in properties[name]["description"], f"the schema's {name} lacks its why"
+        description = properties[name]["description"]
+        assert why in description, f"the schema's {name} lacks its why"
+        # and the default it names as the one it replaces is AsyncGRPOConfig's
+        claim = re.search(r"Not AsyncGRPOConfig's (.+?)(?::\s| \()", description)
+        assert claim and yaml.safe_load(claim.group(1)) == defaults[name], (name, description)
 
 
 def test_pipeline_defaults_are_valid_settings():
