@@ -9,7 +9,7 @@ bootstrap interval, differences to SFT in points with "(within noise)" when the 
 
 from __future__ import annotations
 
-from . import uncertainty
+from . import layout, uncertainty
 
 
 def _percent(value) -> str:
@@ -150,9 +150,9 @@ def record_markdown(record: dict) -> list[str]:
         for branch, history in record["validation_per_epoch"].items() for v in history])
     lines += ["", "Checkpoint sizes (bytes):", ""]
     lines += markdown_table(
-        [{"file": f"{name}-final.safetensors", "bytes": str(size)}
+        [{"file": layout.final(name).name, "bytes": str(size)}
          for name, size in sizes["final_exports"].items()]
-        + [{"file": f"{branch}-continuous.pt.gz (raw)",
+        + [{"file": f"{layout.state(branch, 'continuous').name} (raw)",
             "bytes": f"{state['gzip_bytes']} ({state['raw_bytes']})"}
            for branch, state in sizes["continuous_states"].items()])
     return lines + ["", ("Stage timings, CPU seconds, peak memory and PPO's phase timings vary "
