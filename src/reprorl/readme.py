@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .errors import ReproError
 from .manifest import atomic_write_text, read_json
+from .results_markdown import interval_points, percent
 from .stages import EXPORTS, GRPO_RUNS, POLICIES
 
 BEGIN = "<!-- results:begin -->"
@@ -29,21 +30,12 @@ LABELS = {
 WIDTH = 96  # the README's prose lines stay under 100 characters
 
 
-def _percent(value: float) -> str:
-    return f"{100 * value:.1f} %"
-
-
-def _points(interval: list[float] | None) -> str:
-    """A 95 % interval of a rate, in percentage points."""
-    return "" if interval is None else f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
-
-
 def _versus_sft(difference: dict | None) -> str:
     if difference is None:
         return "(baseline)"
     d = difference["rubric_success_rate"]
     noise = ", within noise" if d["within_noise"] else ""
-    return f"{100 * d['difference']:+.1f} points{_points(d['interval_95'])}{noise}"
+    return f"{100 * d['difference']:+.1f} points{interval_points(d['interval_95'])}{noise}"
 
 
 def load_results(path: Path) -> dict:
@@ -119,8 +111,8 @@ def _curves(curves: dict | None) -> str:
     for run, points in _ordered(curves["runs"], POLICIES):
         first, last = points[0], points[-1]
         parts.append(f"{LABELS.get(run, run).split(' (')[0]} from "
-                     f"{_percent(first['rubric_success_rate'])} to "
-                     f"{_percent(last['rubric_success_rate'])} rubric success, learned score "
+                     f"{percent(first['rubric_success_rate'])} to "
+                     f"{percent(last['rubric_success_rate'])} rubric success, learned score "
                      f"{first['mean_learned_score']:.2f} to {last['mean_learned_score']:.2f}, "
                      f"at a sampled log-ratio of {last['sampled_logratio']:.2f} nats")
     return ("Over-optimisation curves (greedy answers to the 180 validation prompts, from SFT "
@@ -143,8 +135,8 @@ def block(results: dict, facts: dict, commit: str) -> str:
         test = result["metrics"]["test_rows"]
         ci = test["intervals_95"]
         versus = _versus_sft(results["difference_to_sft"].get(policy, {}).get("test_rows"))
-        rows.append(f"| {LABELS.get(policy, policy)} | {_percent(test['rubric_success_rate'])}"
-                    f"{_points(ci['rubric_success_rate'])} | {versus} | "
+        rows.append(f"| {LABELS.get(policy, policy)} | {percent(test['rubric_success_rate'])}"
+                    f"{interval_points(ci['rubric_success_rate'])} | {versus} | "
                     f"{test['mean_learned_score']:.2f} |")
     ex = results["exercise"]
     rm, sampled = results["reward_model_test"], results["ppo_sampled_responses"]
@@ -157,11 +149,11 @@ def block(results: dict, facts: dict, commit: str) -> str:
     checks = ", ".join(f"{name} {c['status']}"
                        for name, c in _ordered(results["resume_checks"], EXPORTS))
     figures = (
-        f"Reward model: {_percent(rm['accuracy'])} accurate on the {rm['pairs']} test pairs "
+        f"Reward model: {percent(rm['accuracy'])} accurate on the {rm['pairs']} test pairs "
         f"({rm['ties']} ties). PPO's sampled responses, first vs last 10 iterations: "
         f"reward-model score from {first['mean_reward_model_score']:.2f} to "
         f"{last['mean_reward_model_score']:.2f}, rubric success from "
-        f"{_percent(first['rubric_success_rate'])} to {_percent(last['rubric_success_rate'])}. "
+        f"{percent(first['rubric_success_rate'])} to {percent(last['rubric_success_rate'])}. "
         + (f"GRPO's sampled reward, first vs last tenth of the training windows: {grpo}. "
            if grpo else "")
         + _curves(results.get("over_optimisation"))

@@ -12,27 +12,32 @@ from __future__ import annotations
 from . import layout, uncertainty
 
 
-def _percent(value) -> str:
+def percent(value) -> str:
+    """A rate as a percentage (the README's results block prints rates the same way)."""
     return "n/a" if value is None else f"{100 * value:.1f} %"
 
 
-def _with_interval(value, interval, percent: bool = True) -> str:
+def interval_points(interval: list[float] | None) -> str:
+    """A rate's 95 % interval, in percentage points, to follow `percent`."""
+    return "" if interval is None else f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
+
+
+def _with_interval(value, interval, as_rate: bool = True) -> str:
     """A value and its 95 % interval: `60.0 % [52.8, 67.2]` or `-1.835 [-2.01, -1.66]`."""
     if value is None:
         return "n/a"
-    if percent:
-        bounds = "" if interval is None else f" [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
-        return _percent(value) + bounds
+    if as_rate:
+        return percent(value) + interval_points(interval)
     bounds = "" if interval is None else f" [{interval[0]:.2f}, {interval[1]:.2f}]"
     return f"{value:.3f}{bounds}"
 
 
-def _difference(d: dict, percent: bool) -> str:
+def _difference(d: dict, as_rate: bool) -> str:
     """A paired difference to SFT: `-33.3 points [-41.7, -24.4]`, `+0.005 [-0.39, 0.44] (within
     noise)`; within noise when 0 lies inside the interval, its bounds included."""
     if d["difference"] is None:
         return "n/a"
-    scale, unit, digits = (100, " points", 1) if percent else (1, "", 3)
+    scale, unit, digits = (100, " points", 1) if as_rate else (1, "", 3)
     text = f"{scale * d['difference']:+.{digits}f}{unit}"
     if d["interval_95"] is not None:
         low, high = (scale * bound for bound in d["interval_95"])
@@ -62,11 +67,11 @@ def markdown(results: dict) -> str:
                 "policy": policy, "population": name, "rows": str(m["rows"]),
                 "rubric success": _with_interval(m["rubric_success_rate"],
                                                  ci["rubric_success_rate"]),
-                "recognized": _percent(m["recognized_rate"]),
+                "recognized": percent(m["recognized_rate"]),
                 "UNCERTIFIED": str(m["uncertified"]),
-                "relevant (of recognized)": _percent(m["relevant_rate_among_recognized"]),
+                "relevant (of recognized)": percent(m["relevant_rate_among_recognized"]),
                 "unsupported certainty (of recognized)":
-                    _percent(m["unsupported_certainty_rate_among_recognized"]),
+                    percent(m["unsupported_certainty_rate_among_recognized"]),
                 "refusals": str(m["refusals"]), "without EOS": str(m["without_eos"]),
                 "mean tokens": f"{m['mean_response_tokens']:.1f}",
                 f"mean {score}": _with_interval(m["mean_learned_score"],
@@ -82,7 +87,7 @@ def markdown(results: dict) -> str:
         for name, d in by_population.items()])
     test = results["reward_model_test"]
     lines += ["", "## Reward model", "",
-              f"Accuracy on the 180 test pairs: {_percent(test['accuracy'])} "
+              f"Accuracy on the 180 test pairs: {percent(test['accuracy'])} "
               f"({test['correct']} correct, {test['ties']} ties); never used for selection.",
               "", "## Resume checks", ""]
     lines += [f"- {name}: {c['status']}" for name, c in results["resume_checks"].items()]
@@ -91,8 +96,8 @@ def markdown(results: dict) -> str:
     sampled = results["ppo_sampled_responses"]
     lines += markdown_table([
         {"window": f"{window.replace('_', ' ')} iterations",
-         "rubric success": _percent(sampled[window]["rubric_success_rate"]),
-         "recognized": _percent(sampled[window]["recognized_rate"]),
+         "rubric success": percent(sampled[window]["rubric_success_rate"]),
+         "recognized": percent(sampled[window]["recognized_rate"]),
          "mean reward-model score": f"{sampled[window]['mean_reward_model_score']:.3f}"}
         for window in ("first_10", "last_10")])
     lines += ["", ("## GRPO training (sampled at temperature 1; first -> last tenth of the "
@@ -123,9 +128,9 @@ def curves_markdown(curves: dict, score: str) -> list[str]:
     return lines + markdown_table([
         {"run": run, "step": f"{p['step']} ({p['fraction']:.0%})",
          "distance (nats)": f"{p['sampled_logratio']:.3f}",
-         "gold: rubric success": _percent(p["rubric_success_rate"]),
+         "gold: rubric success": percent(p["rubric_success_rate"]),
          f"proxy: mean {score}": f"{p['mean_learned_score']:.3f}",
-         "recognized": _percent(p["recognized_rate"]), "without EOS": str(p["cut"])}
+         "recognized": percent(p["recognized_rate"]), "without EOS": str(p["cut"])}
         for run, points in curves["runs"].items() for p in points])
 
 
@@ -146,7 +151,7 @@ def record_markdown(record: dict) -> list[str]:
              "Validation per epoch (never used for selection):", ""]
     lines += markdown_table([
         {"model": branch, "epoch": str(v["epoch"]), "loss": f"{v['loss']:.4f}",
-         "accuracy": _percent(v.get("accuracy"))}
+         "accuracy": percent(v.get("accuracy"))}
         for branch, history in record["validation_per_epoch"].items() for v in history])
     lines += ["", "Checkpoint sizes (bytes):", ""]
     lines += markdown_table(
