@@ -69,6 +69,7 @@ from .. import devices
 from ..engine import WORK, Adapter, ApiError, Engine, Sequence
 from ..errors import ReproError
 from ..invariance import SPAN_ROWS
+from ..manifest import atomic_write_text
 from ..logprobs import Params
 from .server_weights import (
     copy_weights,
@@ -598,10 +599,8 @@ async def serve(server: Server, args) -> None:
     sock.bind((args.host, args.port))
     await web.SockSite(runner, sock).start()
     port = sock.getsockname()[1]
-    if args.port_file:
-        scratch = f"{args.port_file}.{os.getpid()}.tmp"
-        Path(scratch).write_text(f"{port}\n")
-        os.replace(scratch, args.port_file)
+    if args.port_file:  # whole or absent: the trainer polls it (ServerProcess)
+        atomic_write_text(args.port_file, f"{port}\n")
     print(f"reprorl serve: ready on http://{args.host}:{port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
