@@ -32,7 +32,7 @@ from pathlib import Path
 from _build import snakemake  # benchmarks/: the script's own folder
 
 from reprorl import config as configuration
-from reprorl import exports, layout
+from reprorl import exports, layout, lora
 from reprorl.encoding import load_tokenizer
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.metrics import metrics_file, read_windows
@@ -92,7 +92,7 @@ def shown(value) -> str:
 def ensure_sft(config_path: str) -> None:
     """The profile's SFT actor and its PEFT export (and the model and corpus they need),
     built when missing; benchmarks/peer_trl.py calls it too."""
-    wanted = [*layout.final_files("sft"), layout.peft("sft") / "adapter_model.safetensors"]
+    wanted = [*layout.final_files("sft"), layout.peft("sft") / lora.PEFT_WEIGHTS]
     if all(path.is_file() for path in wanted):
         return
     snakemake("sft_resume", configfile=config_path)

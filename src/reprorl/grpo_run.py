@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import corpus, layout, roles, snapshots
+from . import corpus, layout, lora, roles, snapshots
 from .codehash import code_hash
 from .encoding import Example, collate, load_tokenizer, prompt_ids
 from .errors import ReproError
@@ -156,7 +156,7 @@ def engine_state(identity: dict, checkpoint: Path, windows: list[dict]) -> dict:
     return {
         "identity": identity,
         "learned": {"actor": load_file(checkpoint / checkpoints.policy_folder(use_peft=True)
-                                       / "adapter_model.safetensors")},
+                                       / lora.PEFT_WEIGHTS)},
         "optimizers": {"actor": saved["optimizer"]},
         "rng": {"torch": saved["torch_rng"],
                 **({"cuda": saved["cuda_rng"]} if "cuda_rng" in saved else {})},

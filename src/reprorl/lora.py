@@ -21,6 +21,8 @@ from .manifest import atomic_directory, atomic_write_bytes, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
+# a PEFT adapter folder, as peft's save_pretrained writes it and vLLM loads it
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 class LoRALinear(nn.Module):
@@ -143,8 +145,8 @@ def export_peft(model: nn.Module, directory: str | Path, base_path: str, rank: i
         "modules_to_save": None,
     }
     with atomic_directory(directory) as scratch:  # both files appear together or not at all
-        atomic_write_bytes(scratch / "adapter_model.safetensors", save(peft_state(model)))
-        write_json(scratch / "adapter_config.json", config)
+        atomic_write_bytes(scratch / PEFT_WEIGHTS, save(peft_state(model)))
+        write_json(scratch / PEFT_CONFIG, config)
     return directory
 
 
@@ -153,8 +155,8 @@ def load_peft_into(model: nn.Module, directory: str | Path) -> None:
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    settings = json.loads((directory / "adapter_config.json").read_text())
-    stored = load_file(directory / "adapter_model.safetensors")
+    settings = json.loads((directory / PEFT_CONFIG).read_text())
+    stored = load_file(directory / PEFT_WEIGHTS)
     ours = peft_state(model)
     if set(stored) != set(ours):
         raise ReproError(f"{directory} adapters do not match this model's LoRA layers")

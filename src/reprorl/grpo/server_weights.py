@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from ..engine import Adapter, ApiError
-from ..lora import PEFT_PREFIX, TARGETS, with_adapter, with_row_adapters
+from ..lora import (
+    PEFT_CONFIG,
+    PEFT_PREFIX,
+    PEFT_WEIGHTS,
+    TARGETS,
+    with_adapter,
+    with_row_adapters,
+)
 
 
 def number(body: dict, key: str, default, kind=float):
@@ -85,7 +92,7 @@ def install_switches(model) -> dict[str, Switch]:
     return switches
 
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (PEFT_CONFIG, PEFT_WEIGHTS)
 
 
 def adapter_files(name: str, path: str, root: Path | None) -> list[Path]:
