@@ -34,6 +34,7 @@ def test_a_profile_reads_the_same_from_the_command_line_as_under_snakemake(profi
     update_config(merged, yaml.safe_load(profile.read_text()))
     assert configuration.validate(merged) == configuration.load(profile)
 
+
 def test_defaults_are_filled():
     result = configuration.validate({})
     assert result["model"]["embedded"]["hidden_size"] == 256

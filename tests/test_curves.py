@@ -16,10 +16,9 @@ def test_snapshot_points_are_the_quarters_and_the_end():
 
 
 def test_snapshots_are_found_in_step_order(tmp_path):
-    for step in (100, 25, 7):
+    for step in (12000, 9999, 7):  # by name, step-12000 would come before step-9999
         (tmp_path / snapshots.snapshot_name(step)).mkdir()
-    (tmp_path / snapshots.PLAN).write_text("{}")  # beside them, not one of them
-    assert [snapshots.step_of(p) for p in snapshots.found(tmp_path)] == [7, 25, 100]
+    assert [snapshots.step_of(p) for p in snapshots.found(tmp_path)] == [7, 9999, 12000]
 
 
 def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():

@@ -92,7 +92,7 @@ def test_checkpoints_are_ordered_by_step_and_a_resume_takes_the_newest(tmp_path)
         checkpoints.latest(tmp_path)
     for step in (2, 10, 9):
         checkpoints.directory(tmp_path, step).mkdir()
-    (tmp_path / ".checkpoint-11.abc.tmp").mkdir()  # a killed save's scratch: not one
+    (tmp_path / "checkpoint-11-old").mkdir()  # a user's copy: not one
     assert [checkpoints.step_of(p) for p in checkpoints.found(tmp_path)] == [2, 9, 10]
     assert checkpoints.latest(tmp_path) == tmp_path / "checkpoint-10"
 
@@ -108,6 +108,7 @@ def test_a_fixed_schedule_checkpoint_resumes_at_its_next_block_with_its_versions
     assert checkpoints.cursor_state(ledger, 2, fixed) == {
         "next_prompt_index": 8, "consumed_after_cursor": []}
     assert checkpoints.cursor_state(ledger, 3, fixed)["next_prompt_index"] == 10  # the end
+    assert checkpoints.cursor_state(PositionLedger(), 3, fixed)["next_prompt_index"] == 12
     folder = Path("checkpoint-5")
     assert checkpoints.scheduled_versions(folder, 2, 5) == [
         (3, folder / "versions" / "v3"), (4, folder / "versions" / "v4")]

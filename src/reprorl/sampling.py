@@ -23,7 +23,7 @@ import torch
 from . import devices
 from .engine import Engine, Sequence
 from .errors import ReproError
-from .invariance import cache_argument
+from .invariance import SPAN_ROWS, cache_argument
 from .logprobs import Params
 
 
@@ -71,11 +71,11 @@ FINISH = {"stop": "eos", "length": "cut"}  # the engine's (vLLM's) finish reason
 @torch.inference_mode()
 def sample_many(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int,
                 max_len: int, generators: list[torch.Generator] | None = None,
-                temperature: float = 1.0, rows: int = 16, slots: int = 64,
+                temperature: float = 1.0, rows: int = SPAN_ROWS, slots: int = 64,
                 prefills: OrderedDict | None = None) -> list[Sample]:
     """Each prompt's `Sample`, `slots` sequences at a time in decode groups of `rows` rows
     (a row's bits depend on `rows`, never on the other rows: keep it fixed per use; on one
-    thread with 16 rows or more a forward spans the groups in use, `Engine.span`). Greedy
+    thread with SPAN_ROWS rows or more a forward spans the groups in use, `Engine.span`). Greedy
     when `generators` is None; else prompt i draws with `generators[i]`. `max_len` bounds
     prompt + response (the length of a KV slot). `prefills`: a store kept between calls on
     the same weights (an empty OrderedDict at first): every prompt's prefill stays in it, and

@@ -16,6 +16,7 @@ from .roles import LORA_ALPHA, LORA_RANK
 
 QUARTERS = 4
 PLAN = "plan.json"  # beside the snapshots: the run's planned length and its points
+SNAPSHOT_PREFIX = "step-"  # then the step, 4 digits at least
 
 
 def every(total: int) -> int:
@@ -27,9 +28,6 @@ def points(total: int) -> list[int]:
     """Where a straight run of `total` iterations or steps keeps its actor: each quarter
     (rounded up to whole steps) and the end."""
     return sorted({*range(every(total), total, every(total)), total})
-
-
-SNAPSHOT_PREFIX = "step-"
 
 
 def snapshot_name(step: int) -> str:

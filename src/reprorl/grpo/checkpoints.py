@@ -47,8 +47,10 @@ def step_of(checkpoint: Path) -> int:
 
 
 def found(output_dir: Path) -> list[Path]:
-    """The checkpoint folders under `output_dir`, oldest first."""
-    return sorted(output_dir.glob(f"{PREFIX}*"), key=step_of)
+    """The checkpoint folders under `output_dir`, oldest first; a name that is not
+    checkpoint-<step> (a user's `checkpoint-3-old` copy) is not one."""
+    return sorted((path for path in output_dir.glob(f"{PREFIX}*")
+                   if path.name.removeprefix(PREFIX).isdigit()), key=step_of)
 
 
 def latest(output_dir: Path) -> Path:

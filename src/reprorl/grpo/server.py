@@ -69,8 +69,8 @@ from .. import devices
 from ..engine import WORK, Adapter, ApiError, Engine, Sequence
 from ..errors import ReproError
 from ..invariance import SPAN_ROWS
-from ..manifest import atomic_write_text
 from ..logprobs import Params
+from ..manifest import atomic_write_text
 from .server_weights import (
     copy_weights,
     install_switches,

@@ -129,7 +129,7 @@ def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: in
         settings = json.loads(config_file.read_text(), parse_constant=refuse_constant)
         stored = load_file(weights_file)
         if not isinstance(settings, dict):
-            raise ApiError(400, "adapter_config.json must hold an object")
+            raise ApiError(400, f"{PEFT_CONFIG} must hold an object")
         rank = number(settings, "r", None, int)
         alpha = number(settings, "lora_alpha", None)
     except ApiError as error:
@@ -137,7 +137,7 @@ def read_adapter(name: str, path: str, switches: dict[str, Switch], max_rank: in
     except Exception as error:  # unreadable or malformed: all the client's fault
         raise ApiError(400, f"Loading lora {name} failed: {error}") from error
     if rank is None or rank < 1 or alpha is None:
-        raise ApiError(400, f"Loading lora {name} failed: adapter_config.json needs 'r' >= 1 "
+        raise ApiError(400, f"Loading lora {name} failed: {PEFT_CONFIG} needs 'r' >= 1 "
                        "and a finite 'lora_alpha'.")
     if rank > max_rank:
         raise ApiError(400, f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
