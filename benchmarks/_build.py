@@ -30,7 +30,7 @@ def ensure_built(model_path: str, configfile: str | None = None) -> None:
     targets = [target for target, ready in (
         ("base_model", all(Path(model_path, name).is_file()
                            for name in ("config.json", "tokenizer.json"))),
-        ("prepare", all((layout.CORPUS / name).is_file()
-                        for name in ("train/pages.json", corpus.ROLLOUT_PROMPTS)))) if not ready]
+        ("prepare", all((layout.CORPUS / name).is_file() for name in corpus.CORPUS_FILES)))
+        if not ready]
     if targets:
         snakemake(*targets, configfile=configfile)

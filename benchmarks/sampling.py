@@ -118,7 +118,7 @@ def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
     with torch.no_grad():  # a non-zero value head, so the values are worth comparing
         built["critic"].head.weight.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     tokenizer = load_tokenizer(path)
-    pages = corpus.read("train/pages.json", "learning")[:count]
+    pages = corpus.read(corpus.ROLLOUT_PROMPTS, "learning")[:count]
     prompts = [prompt_ids(tokenizer, p["prompt"], {"prompt_tokens": 256}) for p in pages]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     timings, same, close, tokens = {"no_cache": 0.0, "engine": 0.0}, True, True, 0
@@ -151,7 +151,7 @@ def default_model(path: str, count: int, seed: int, max_new_tokens: int) -> dict
 
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
-    pages = corpus.read("train/pages.json", "learning")[:count]
+    pages = corpus.read(corpus.ROLLOUT_PROMPTS, "learning")[:count]
     limits = {"prompt_tokens": 256}
     prompts = [prompt_ids(tokenizer, p["prompt"], limits) for p in pages]
     return compare(model, prompts, tokenizer.eos_token_id, max_new_tokens, seed)

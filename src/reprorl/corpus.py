@@ -41,37 +41,31 @@ DATASET, REVISION = "OfficeHelpPrefs-v1", "reprorl-r1"
 FAMILIES, FAMILIES_PER_ACTION, PAIRS_PER_FAMILY = 240, 40, 5
 SPLIT_SIZES = {"train": 28, "validation": 6, "test": 6}  # families per situation
 PROBE_CONTEXTS = 20
-VALIDATION_PAIRS = "labels/validation-pairs.json"  # what SFT, the reward model and curves measure
-CORPUS_FILES = (
-    "input/pages.json",
-    "labels/gold.json",
-    "labels/train-pairs.json",
-    "labels/validation-pairs.json",
-    "validation/pages.json",
-    "train/pages.json",
-    "warmstart/pages.json",
-    "labels/warmstart.json",
-    "labels/rollouts.json",
-    "manifest.json",
-)
+# The corpus files (the seed's file contract), under layout.CORPUS; labels under labels/, which
+# generation jobs never see (layout.HIDDEN_FROM_GENERATION)
+PAGES = "input/pages.json"  # every prompt of every population, without its label
+GOLD = "labels/gold.json"  # each prompt's label: what the rubric judges answers against
+PAIRS = {"train": "labels/train-pairs.json",  # what the reward model learns from
+         "validation": "labels/validation-pairs.json"}  # what SFT, reward and curves measure
+VALIDATION_PAIRS = PAIRS["validation"]
+VALIDATION_PAGES = "validation/pages.json"  # the validation pairs' prompts
+ROLLOUT_PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
+ROLLOUT_LABELS = "labels/rollouts.json"  # the situation behind each rollout prompt
+DEMOS, DEMO_LABELS = "warmstart/pages.json", "labels/warmstart.json"  # SFT's demonstrations
+MANIFEST = CORPUS_MANIFEST.name
+CORPUS_FILES = (PAGES, GOLD, *PAIRS.values(), VALIDATION_PAGES, ROLLOUT_PROMPTS, DEMOS,
+                DEMO_LABELS, ROLLOUT_LABELS, MANIFEST)
 INSTRUCTION = "Suggest one relevant next step and do not promise a guaranteed fix."
 NEUTRAL, HEDGED, GUARANTEED = 1, 0, 2
 # What each kind of stage may read (held-out discipline, enforced by `read`): learning never
 # sees test or probe inputs nor the gold labels; generation sees inputs only.
 SCOPES = {
-    "learning": {
-        "warmstart/pages.json",
-        "labels/warmstart.json",
-        "labels/train-pairs.json",
-        "labels/validation-pairs.json",
-        "validation/pages.json",
-        "train/pages.json",
-    },
-    "generation": {"input/pages.json"},
+    "learning": {DEMOS, DEMO_LABELS, *PAIRS.values(), VALIDATION_PAGES, ROLLOUT_PROMPTS},
+    "generation": {PAGES},
     # GRPO with the rubric as verifier learns from the situations of the *train* rollout
     # prompts (the task's true criterion); it sees nothing held out.
-    "verifier": {"train/pages.json", "labels/rollouts.json"},
-    "evaluation": set(CORPUS_FILES) - {"manifest.json"},
+    "verifier": {ROLLOUT_PROMPTS, ROLLOUT_LABELS},
+    "evaluation": set(CORPUS_FILES) - {MANIFEST},
 }
 
 
@@ -104,9 +98,6 @@ def _verified(name: str, scope: str):
     return content
 
 
-ROLLOUT_PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
-
-
 def rollout_prompts() -> list[dict]:
     """The 672 rollout prompts PPO and GRPO learn from, checked to be exactly those."""
     pages = read(ROLLOUT_PROMPTS, "learning")
@@ -124,7 +115,7 @@ def refuse_held_out(path: Path, rows: list[dict], scope: str) -> None:
     must not hold a test or probe row (same prompt or document id), even under a manifest that
     vouches for it (a generator that leaked them would sign its own output)."""
     # looked at here, never handed out (nor recorded as an input of the learning stage)
-    pages = _verified("input/pages.json", "evaluation")
+    pages = _verified(PAGES, "evaluation")
     held_out = {key for r in pages if r["split"] in HELD_OUT_SPLITS
                 for key in (r["prompt"], r["document_id"])}
     leaked = [r.get("document_id") or r.get("prompt") for r in rows
@@ -354,9 +345,9 @@ def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORP
     """Write the seed's file contract into `root` in one atomic directory move."""
     labels = {row["document_id"]: row for row in corpus["gold"]}
     with atomic_directory(root) as scratch:
-        write_json(scratch / "input/pages.json", corpus["pages"])
-        write_json(scratch / "labels/gold.json", corpus["gold"])
-        for split in ("train", "validation"):
+        write_json(scratch / PAGES, corpus["pages"])
+        write_json(scratch / GOLD, corpus["gold"])
+        for split, name in PAIRS.items():
             selected = [
                 r for r in corpus["pages"] if r["split"] == split and r["population"] == "pair"
             ]
@@ -371,18 +362,18 @@ def write_corpus(corpus: dict[str, list[dict]], summary: dict, root: Path = CORP
                 }
                 for r in selected
             ]
-            write_json(scratch / f"labels/{split}-pairs.json", pairs)
+            write_json(scratch / name, pairs)
             if split == "validation":
-                write_json(scratch / "validation/pages.json", selected)
-        write_json(scratch / "train/pages.json", corpus["rollouts"])
-        write_json(scratch / "warmstart/pages.json", corpus["demos"])
-        write_json(scratch / "labels/warmstart.json", corpus["demo_labels"])
+                write_json(scratch / VALIDATION_PAGES, selected)
+        write_json(scratch / ROLLOUT_PROMPTS, corpus["rollouts"])
+        write_json(scratch / DEMOS, corpus["demos"])
+        write_json(scratch / DEMO_LABELS, corpus["demo_labels"])
         # the situation behind each rollout prompt: for judging sampled responses afterwards
         # (evaluation scope); PPO and GRPO never read it
-        write_json(scratch / "labels/rollouts.json", corpus["rollout_labels"])
+        write_json(scratch / ROLLOUT_LABELS, corpus["rollout_labels"])
         hashes = {p.relative_to(scratch).as_posix(): sha256_file(p) for p in files_under(scratch)}
-        write_json(scratch / "manifest.json", {**summary, "files": hashes})
-        if set(hashes) | {"manifest.json"} != set(CORPUS_FILES):
+        write_json(scratch / MANIFEST, {**summary, "files": hashes})
+        if set(hashes) | {MANIFEST} != set(CORPUS_FILES):
             raise ReproError(f"corpus files {sorted(hashes)} differ from the contract")
 
 

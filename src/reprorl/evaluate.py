@@ -67,8 +67,8 @@ def score_pairs(reward, tokenizer, rows: list[tuple[str, str, str]], limits: dic
 
 
 def _test_pairs() -> list[tuple[dict, dict]]:
-    pages = {r["document_id"]: r for r in corpus.read("input/pages.json", "evaluation")}
-    gold = corpus.read("labels/gold.json", "evaluation")
+    pages = {r["document_id"]: r for r in corpus.read(corpus.PAGES, "evaluation")}
+    gold = corpus.read(corpus.GOLD, "evaluation")
     return [(pages[g["document_id"]], g) for g in gold
             if pages[g["document_id"]]["split"] == "test"]
 
@@ -274,7 +274,7 @@ def over_optimisation(sft_validation: dict) -> dict:
 def evaluate(config: dict, policies: list[str]) -> dict:
     """outputs/results.json and results.md; refuses unless every resume check is PASS."""
     checks = resume_checks()
-    gold = {g["document_id"]: g for g in corpus.read("labels/gold.json", "evaluation")}
+    gold = {g["document_id"]: g for g in corpus.read(corpus.GOLD, "evaluation")}
     reports = {branch: read_input(layout.learning_report(branch, "continuous"))
                for branch in EXPORTS}
     sft_validation = read_input(layout.SFT_VALIDATION)
@@ -367,8 +367,8 @@ def exercise(config: dict) -> dict:
     reward, meta = load_final("reward", "reward", config)
     reward.requires_grad_(False)
     identity = learned_identity(reward)
-    pages = {r["document_id"]: r for r in corpus.read("input/pages.json", "evaluation")}
-    labels = [g for g in corpus.read("labels/gold.json", "evaluation")
+    pages = {r["document_id"]: r for r in corpus.read(corpus.PAGES, "evaluation")}
+    labels = [g for g in corpus.read(corpus.GOLD, "evaluation")
               if pages[g["document_id"]]["split"] == "probe"]
     if len(labels) != 80:
         raise ReproError(f"expected 80 probe candidates, found {len(labels)}")

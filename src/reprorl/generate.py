@@ -28,7 +28,7 @@ SCORING_ROWS = 8  # responses per scoring batch (reference log-probs and reward-
 
 
 def generation_inputs() -> dict:
-    pages = [r for r in corpus.read("input/pages.json", "generation")
+    pages = [r for r in corpus.read(corpus.PAGES, "generation")
              if r["split"] in ("test", "probe")]
     if len(pages) != ROWS or len({r["prompt"] for r in pages}) != DISTINCT_PROMPTS:
         raise ReproError(f"expected {ROWS} test+probe rows with {DISTINCT_PROMPTS} distinct "

@@ -115,9 +115,9 @@ def dataset(run: str) -> list[dict]:
              "document_id": p["document_id"]} for p in pages]
     if run == "verifier":
         labels = {r["document_id"]: r["expected_action"]
-                  for r in corpus.read("labels/rollouts.json", "verifier")}
+                  for r in corpus.read(corpus.ROLLOUT_LABELS, "verifier")}
         if set(labels) != {r["document_id"] for r in rows}:
-            raise ReproError("labels/rollouts.json does not label exactly the rollout prompts")
+            raise ReproError(f"{corpus.ROLLOUT_LABELS} does not label exactly the rollout prompts")
         for row in rows:
             row["expected_action"] = labels[row["document_id"]]
     return rows

@@ -329,7 +329,7 @@ def rollout_report(mode: str = "continuous") -> dict:
     training stages never see, and changes nothing.
     """
     actions = {r["document_id"]: r["expected_action"]
-               for r in corpus.read("labels/rollouts.json", "evaluation")}
+               for r in corpus.read(corpus.ROLLOUT_LABELS, "evaluation")}
     record_read(layout.rollouts(mode))
     iterations = []
     for path in sorted(layout.rollouts(mode).glob("iteration-*.json")):

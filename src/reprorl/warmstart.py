@@ -49,8 +49,7 @@ VALIDATION_PAIRS = 180
 VALIDATION_BATCH = 16
 ROLE = {"sft": "actor", "reward": "reward"}
 # the corpus files each branch learns from, and the validation pairs both measure on
-DATA = {"sft": ("warmstart/pages.json", "labels/warmstart.json"),
-        "reward": ("labels/train-pairs.json",)}
+DATA = {"sft": (corpus.DEMOS, corpus.DEMO_LABELS), "reward": (corpus.PAIRS["train"],)}
 VALIDATION = corpus.VALIDATION_PAIRS
 
 
