@@ -80,6 +80,21 @@ class _Run:
         self.kwargs = kwargs
 
 
+def test_the_file_contract_is_the_seeds():
+    """The corpus's file names and who may read them, written out: the constants build both
+    the writer and `CORPUS_FILES`, so a renamed constant would pass every other test."""
+    learning = {"warmstart/pages.json", "labels/warmstart.json", "labels/train-pairs.json",
+                "labels/validation-pairs.json", "validation/pages.json", "train/pages.json"}
+    files = ("input/pages.json", "labels/gold.json", "labels/train-pairs.json",
+             "labels/validation-pairs.json", "validation/pages.json", "train/pages.json",
+             "warmstart/pages.json", "labels/warmstart.json", "labels/rollouts.json",
+             "manifest.json")
+    assert corpus.CORPUS_FILES == files
+    assert corpus.SCOPES == {"learning": learning, "generation": {"input/pages.json"},
+                             "verifier": {"train/pages.json", "labels/rollouts.json"},
+                             "evaluation": set(files) - {"manifest.json"}}
+
+
 def test_stage_writes_contract_then_keeps_identical_corpus(in_tmp):
     corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     root = Path("data/generated")

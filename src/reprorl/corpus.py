@@ -43,8 +43,8 @@ SPLIT_SIZES = {"train": 28, "validation": 6, "test": 6}  # families per situatio
 PROBE_CONTEXTS = 20
 # The corpus files (the seed's file contract), under layout.CORPUS; labels under labels/, which
 # generation jobs never see (layout.HIDDEN_FROM_GENERATION)
-PAGES = "input/pages.json"  # every prompt of every population, without its label
-GOLD = "labels/gold.json"  # each prompt's label: what the rubric judges answers against
+PAGES = "input/pages.json"  # every pair and probe prompt, without its label
+GOLD = "labels/gold.json"  # those prompts' labels: what the rubric judges answers against
 PAIRS = {"train": "labels/train-pairs.json",  # what the reward model learns from
          "validation": "labels/validation-pairs.json"}  # what SFT, reward and curves measure
 VALIDATION_PAIRS = PAIRS["validation"]
@@ -52,7 +52,7 @@ VALIDATION_PAGES = "validation/pages.json"  # the validation pairs' prompts
 ROLLOUT_PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
 ROLLOUT_LABELS = "labels/rollouts.json"  # the situation behind each rollout prompt
 DEMOS, DEMO_LABELS = "warmstart/pages.json", "labels/warmstart.json"  # SFT's demonstrations
-MANIFEST = CORPUS_MANIFEST.name
+MANIFEST = CORPUS_MANIFEST.relative_to(CORPUS).as_posix()
 CORPUS_FILES = (PAGES, GOLD, *PAIRS.values(), VALIDATION_PAGES, ROLLOUT_PROMPTS, DEMOS,
                 DEMO_LABELS, ROLLOUT_LABELS, MANIFEST)
 INSTRUCTION = "Suggest one relevant next step and do not promise a guaranteed fix."
