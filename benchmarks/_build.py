@@ -25,12 +25,12 @@ def snakemake(*targets: str, configfile: str | None = None) -> None:
 
 def ensure_built(model_path: str, configfile: str | None = None) -> None:
     """The profile's base model and corpus, built by their Snakemake targets when missing."""
-    from reprorl import corpus, layout
+    from reprorl import layout
 
     targets = [target for target, ready in (
         ("base_model", all(Path(model_path, name).is_file()
                            for name in ("config.json", "tokenizer.json"))),
-        ("prepare", all((layout.CORPUS / name).is_file() for name in corpus.CORPUS_FILES)))
-        if not ready]
+        # what the rule declares: a corpus missing another file is corpus.read's error to name
+        ("prepare", layout.CORPUS_MANIFEST.is_file())) if not ready]
     if targets:
         snakemake(*targets, configfile=configfile)

@@ -178,9 +178,10 @@ def main() -> None:
     warm_s = time.monotonic() - started
     train(policy, options.output / "grpo", options.max_steps,
           log=lambda message: print(message, file=sys.stderr))
-    windows = read_windows(metrics_file(options.output / "grpo"))
+    history = metrics_file(options.output / "grpo")
+    windows = read_windows(history)
     if not windows:
-        raise SystemExit(f"{metrics_file(options.output / 'grpo')} holds no metrics window")
+        raise SystemExit(f"{history} holds no metrics window")
     keys = ("reward", "rewards/IncrementEnv/mean", "tools/call_frequency",
             "tools/failure_frequency", "tools/increment/call_count", "rollout/turns_mean",
             "rollout/fork_frac", "completions/mean_length")

@@ -18,6 +18,8 @@ def test_snapshot_points_are_the_quarters_and_the_end():
 def test_snapshots_are_found_in_step_order(tmp_path):
     for step in (12000, 9999, 7):  # by name, step-12000 would come before step-9999
         (tmp_path / snapshots.snapshot_name(step)).mkdir()
+    (tmp_path / snapshots.PLAN).write_text("{}")  # beside them, not one of them
+    (tmp_path / "step-0007-old").mkdir()  # a copy: not one either
     assert [snapshots.step_of(p) for p in snapshots.found(tmp_path)] == [7, 9999, 12000]
 
 

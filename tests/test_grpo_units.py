@@ -92,6 +92,7 @@ def test_checkpoints_are_ordered_by_step_and_a_resume_takes_the_newest(tmp_path)
         checkpoints.latest(tmp_path)
     for step in (2, 10, 9):
         checkpoints.directory(tmp_path, step).mkdir()
+    (tmp_path / ".checkpoint-11.abc.tmp").mkdir()  # a killed save's scratch: not one
     (tmp_path / "checkpoint-11-old").mkdir()  # a user's copy: not one
     assert [checkpoints.step_of(p) for p in checkpoints.found(tmp_path)] == [2, 9, 10]
     assert checkpoints.latest(tmp_path) == tmp_path / "checkpoint-10"

@@ -45,13 +45,14 @@ PROBE_CONTEXTS = 20
 # generation jobs never see (layout.HIDDEN_FROM_GENERATION)
 PAGES = "input/pages.json"  # every pair and probe prompt, without its label
 GOLD = "labels/gold.json"  # those prompts' labels: what the rubric judges answers against
-PAIRS = {"train": "labels/train-pairs.json",  # what the reward model learns from
-         "validation": "labels/validation-pairs.json"}  # what SFT, reward and curves measure
-VALIDATION_PAIRS = PAIRS["validation"]
+TRAIN_PAIRS = "labels/train-pairs.json"  # what the reward model learns from
+VALIDATION_PAIRS = "labels/validation-pairs.json"  # what SFT, reward and curves measure
+PAIRS = {"train": TRAIN_PAIRS, "validation": VALIDATION_PAIRS}
 VALIDATION_PAGES = "validation/pages.json"  # the validation pairs' prompts
 ROLLOUT_PROMPTS = "train/pages.json"  # the 672 rollout prompts, from the train families only
 ROLLOUT_LABELS = "labels/rollouts.json"  # the situation behind each rollout prompt
-DEMOS, DEMO_LABELS = "warmstart/pages.json", "labels/warmstart.json"  # SFT's demonstrations
+DEMOS = "warmstart/pages.json"  # SFT's demonstrations
+DEMO_LABELS = "labels/warmstart.json"  # their situations
 MANIFEST = CORPUS_MANIFEST.relative_to(CORPUS).as_posix()
 CORPUS_FILES = (PAGES, GOLD, *PAIRS.values(), VALIDATION_PAGES, ROLLOUT_PROMPTS, DEMOS,
                 DEMO_LABELS, ROLLOUT_LABELS, MANIFEST)

@@ -25,6 +25,14 @@ BENCHMARKS = OUTPUTS / "benchmarks"
 LOGS = Path("logs")
 
 
+def numbered(parent: Path, prefix: str) -> list[Path]:
+    """The folders in `parent` named `prefix` and then a step (checkpoints, snapshots), in step
+    order; another name with that prefix (a user's `checkpoint-3-old` copy) is not one."""
+    return sorted((path for path in parent.glob(f"{prefix}*")
+                   if path.name.removeprefix(prefix).isdigit()),
+                  key=lambda path: int(path.name.removeprefix(prefix)))
+
+
 class Pattern(str):
     """A path with {wildcards}, as in a Snakemake rule; called with their values in order."""
 

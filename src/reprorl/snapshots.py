@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from . import lora
+from .layout import numbered
 from .manifest import write_json
 from .roles import LORA_ALPHA, LORA_RANK
 
@@ -40,7 +41,7 @@ def step_of(snapshot: Path) -> int:
 
 def found(folder: Path) -> list[Path]:
     """The snapshots kept in `folder`, in step order."""
-    return sorted(folder.glob(f"{SNAPSHOT_PREFIX}*"), key=step_of)
+    return numbered(folder, SNAPSHOT_PREFIX)
 
 
 def keep(model, folder: Path, step: int, base_path: str) -> None:

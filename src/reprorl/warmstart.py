@@ -49,7 +49,7 @@ VALIDATION_PAIRS = 180
 VALIDATION_BATCH = 16
 ROLE = {"sft": "actor", "reward": "reward"}
 # the corpus files each branch learns from, and the validation pairs both measure on
-DATA = {"sft": (corpus.DEMOS, corpus.DEMO_LABELS), "reward": (corpus.PAIRS["train"],)}
+DATA = {"sft": (corpus.DEMOS, corpus.DEMO_LABELS), "reward": (corpus.TRAIN_PAIRS,)}
 VALIDATION = corpus.VALIDATION_PAIRS
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import devices, lora
+from ..layout import numbered
 from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
 from .ledger import PositionLedger
 from .policy import load_full_into
@@ -49,8 +50,7 @@ def step_of(checkpoint: Path) -> int:
 def found(output_dir: Path) -> list[Path]:
     """The checkpoint folders under `output_dir`, oldest first; a name that is not
     checkpoint-<step> (a user's `checkpoint-3-old` copy) is not one."""
-    return sorted((path for path in output_dir.glob(f"{PREFIX}*")
-                   if path.name.removeprefix(PREFIX).isdigit()), key=step_of)
+    return numbered(output_dir, PREFIX)
 
 
 def latest(output_dir: Path) -> Path:
