@@ -187,6 +187,37 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
             assert torch.equal(out[2], base(x)[2])
 
 
+def test_a_switch_reads_a_column_major_copy_only_where_it_gives_the_layers_bits(
+        one_thread, monkeypatch):
+    """`Switch.product` gives the base layer's bits at every row count: a count's first
+    product runs both ways and keeps whether they agree (on this project's CPUs from 16 rows
+    up); at a count that agreed it reads the column-major copy, made again when the weight
+    changes in place (a full-weight reload)."""
+    from torch import nn
+
+    from reprorl.grpo.server_weights import Switch
+    from reprorl.invariance import COLUMNS, column_product
+
+    generator = torch.Generator().manual_seed(5)
+    base = nn.Linear(64, 96)  # a shape no other test uses: its agreement table is its own
+    switch = Switch(base)
+    counts = range(1, 41)
+    with torch.inference_mode():
+        for _ in range(2):  # compared first, then read the way that agreed
+            for rows in counts:
+                for shape in ((1, rows, 64), (rows, 1, 64)):
+                    x = torch.randn(*shape, generator=generator)
+                    assert torch.equal(switch(x), base(x)), f"{shape} changed bits"
+        agreed = COLUMNS[((64, 96), True, 1)]
+        assert set(agreed) == set(counts)
+        monkeypatch.setitem(agreed, 40, True)  # as on this project's CPUs: the copy is read
+        base.weight.copy_(torch.randn(96, 64, generator=generator))
+        x = torch.randn(1, 40, 64, generator=generator)
+        assert torch.equal(switch(x), column_product(x, base.weight.t().contiguous(),
+                                                     base.bias))
+        assert switch.columns[0] == (base.weight.data_ptr(), base.weight._version)
+
+
 def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(one_thread):
     """Stacked adapters (one thread): a sequence of a rank-1 adapter, and one of a rank-8
     adapter, draw the same bits alone and beside other adapters of their rank. On this

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..engine import Adapter, ApiError
+from ..invariance import linear
 from ..lora import (
     PEFT_CONFIG,
     PEFT_PREFIX,
@@ -71,9 +72,23 @@ class Switch(nn.Module):
         self.base, self.active = base, None  # active: (A, B, scale) or None
         # [(weights: (A, B, scale) or a stack, rows: bool [slots, 1, 1] or None: all)]
         self.by_row: list = []
+        self.columns = None  # ((the weight's storage, version), its column-major copy)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """`base(x)`, bit for bit; in float32 on the CPU from a column-major copy of the
+        weight, made again when the weight changes (a full-weight reload copies into it),
+        where `invariance.linear` found that faster read gives the same bits."""
+        weight = self.base.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or (
+                weight.is_inference()):  # an inference tensor keeps no version to watch
+            return self.base(x)
+        version = (weight.data_ptr(), weight._version)
+        if self.columns is None or self.columns[0] != version:
+            self.columns = (version, weight.detach().t().contiguous())
+        return linear(self.base, x, self.columns[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = self.base(x)
+        result = self.product(x)
         for weights, rows in self.by_row:
             adapted = (with_adapter(result, x, *weights) if len(weights) == 3 else
                        with_row_adapters(result, x, *weights))
