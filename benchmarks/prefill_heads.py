@@ -54,12 +54,12 @@ def served_model(path: str):
     return model, switches, adapters
 
 
-def run(model, switches, adapters, prompts, reuse: bool) -> dict:
+def run(model, switches, adapters, prompts, reuse: bool, new_tokens: int = NEW_TOKENS) -> dict:
     """One arm: every group's samples through a fresh engine; the time of its prefills."""
     engine = Engine(model, switches, SLOTS, SLOTS * MAX_LEN, MAX_LEN)
     if not reuse:
         engine.reusable = False  # as if the probe had failed: every new prompt whole
-    params = Params(max_tokens=NEW_TOKENS, temperature=1.0, logprobs=1, eos_id=-1)
+    params = Params(max_tokens=new_tokens, temperature=1.0, logprobs=1, eos_id=-1)
     seqs = [Sequence(list(prompts[i // GROUP]), params, adapters[i // (4 * GROUP) % 3],
                      torch.Generator().manual_seed(i)) for i in range(GROUP * len(prompts))]
     spent = [0.0]

@@ -76,8 +76,9 @@ class Switch(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """`base(x)`, bit for bit; in float32 on the CPU from a column-major copy of the
-        weight, made again when the weight changes (a full-weight reload copies into it),
-        where `invariance.linear` found that faster read gives the same bits."""
+        weight (a second copy: 18 MB for the default model's projections), made again when
+        the weight changes (a full-weight reload copies into it), where `invariance.linear`
+        found that faster read gives the same bits (`benchmarks/columns.py`)."""
         weight = self.base.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or (
                 weight.is_inference()):  # an inference tensor keeps no version to watch

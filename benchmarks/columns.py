@@ -1,0 +1,86 @@
+"""The server's engine with and without the column-major weight reads, side by side.
+
+The embedded server in process, as `benchmarks/prefill_heads.py` builds it: the profile's base
+model with the server's adapter layers and three random LoRA adapters (rank 16), one torch
+thread, the first 48 rollout prompts of the corpus as the GRPO worker renders them, 4 samples
+each, 64 slots of 512 tokens, with 40 new tokens each here. Arm `columns`: today's engine,
+whose LoRA target projections read a column-major copy of their weight at the row counts where
+that gives the layer's own bits (`server_weights.Switch.product`, `invariance.linear`); arm
+`rows`: the same engine with every projection computed by its `nn.Linear` (the row-major
+weight). Both arms must draw the same tokens and log-probs, bit for bit; the rounds alternate.
+The model and corpus come from `snakemake base_model prepare` when missing.
+
+    python benchmarks/columns.py [--rounds 4]
+
+Printed last, one JSON line: each arm's best round by total seconds, its total and prefill
+seconds (the first `columns` round also compares the two reads at each row count's first
+product), and the speedups between those rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from _build import ensure_built  # benchmarks/: the script's own folder
+from prefill_heads import PROMPTS, run, served_model
+
+from reprorl import config as configuration
+from reprorl.encoding import load_tokenizer
+from reprorl.grpo.rollout import prompt_token_ids
+from reprorl.grpo.server_weights import Switch
+from reprorl.grpo_run import dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 40
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=str(ROOT / "configs/default.yaml"))
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    config = configuration.load(args.config)
+    path = config["model"]["path"]
+    ensure_built(path, args.config)
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(path)
+    prompts = [prompt_token_ids(tokenizer, row["prompt"])
+               for row in dataset("verifier")][:PROMPTS]
+    model, switches, adapters = served_model(path)
+    columns = Switch.product
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x)
+
+    best: dict[str, dict] = {}
+    outputs = {}
+    with torch.inference_mode():
+        for round_ in range(args.rounds):
+            for arm, product in (("rows", rows), ("columns", columns)):
+                Switch.product = product
+                try:
+                    result = run(model, switches, adapters, prompts, True, NEW_TOKENS)
+                finally:
+                    Switch.product = columns
+                outputs[arm] = result.pop("outputs")
+                print(f"round {round_ + 1} {arm}: {result['total_s']:.3f} s, prefill "
+                      f"{result['prefill_s']:.3f} s", flush=True)
+                if arm not in best or result["total_s"] < best[arm]["total_s"]:
+                    best[arm] = result
+    same = outputs["rows"] == outputs["columns"]
+    print(f"same tokens and log-probs in both arms: {same}")
+    print(json.dumps({"total_s": {arm: round(r["total_s"], 3) for arm, r in best.items()},
+                      "prefill_s": {arm: round(r["prefill_s"], 3) for arm, r in best.items()},
+                      "speedup": round(best["rows"]["total_s"] / best["columns"]["total_s"], 3),
+                      "prefill_speedup": round(best["rows"]["prefill_s"]
+                                               / best["columns"]["prefill_s"], 3),
+                      "same_bits": same}))
+    if not same:
+        raise SystemExit("the arms drew different bits: a column-major read moved them")
+
+
+if __name__ == "__main__":
+    main()
