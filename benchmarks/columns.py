@@ -19,37 +19,19 @@ product), and the speedups between those rounds.
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 
 import torch
-from _build import ensure_built  # benchmarks/: the script's own folder
-from prefill_heads import PROMPTS, run, served_model
+from prefill_heads import arguments, run, served  # benchmarks/: the script's own folder
 
-from reprorl import config as configuration
-from reprorl.encoding import load_tokenizer
-from reprorl.grpo.rollout import prompt_token_ids
 from reprorl.grpo.server_weights import Switch
-from reprorl.grpo_run import dataset
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 40
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs/default.yaml"))
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
-    config = configuration.load(args.config)
-    path = config["model"]["path"]
-    ensure_built(path, args.config)
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(path)
-    prompts = [prompt_token_ids(tokenizer, row["prompt"])
-               for row in dataset("verifier")][:PROMPTS]
-    model, switches, adapters = served_model(path)
+    args = arguments(__doc__, 4)
+    prompts, (model, switches, adapters) = served(args.config)
     columns = Switch.product
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:

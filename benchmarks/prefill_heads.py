@@ -79,19 +79,27 @@ def run(model, switches, adapters, prompts, reuse: bool, new_tokens: int = NEW_T
             "outputs": [(s.generated, s.logprobs) for s in seqs]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, rounds: int) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs/default.yaml"))
-    parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
-    config = configuration.load(args.config)
-    path = config["model"]["path"]
-    ensure_built(path, args.config)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser.parse_args()
+
+
+def served(configfile: str) -> tuple[list[list[int]], tuple]:
+    """The first PROMPTS rollout prompts as token ids, and `served_model` on one thread (both
+    built first when missing)."""
+    path = configuration.load(configfile)["model"]["path"]
+    ensure_built(path, configfile)
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(path)
     prompts = [prompt_token_ids(tokenizer, row["prompt"]) for row in dataset("verifier")]
-    prompts = prompts[:PROMPTS]
-    model, switches, adapters = served_model(path)
+    return prompts[:PROMPTS], served_model(path)
+
+
+def main() -> None:
+    args = arguments(__doc__, 3)
+    prompts, (model, switches, adapters) = served(args.config)
     best: dict[str, dict] = {}
     outputs = {}
     with torch.inference_mode():
