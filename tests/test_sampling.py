@@ -190,32 +190,43 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
 def test_a_switch_reads_a_column_major_copy_only_where_it_gives_the_layers_bits(
         one_thread, monkeypatch):
     """`Switch.product` gives the base layer's bits at every row count: a count's first
-    product runs both ways and keeps whether they agree (on this project's CPUs from 16 rows
-    up); at a count that agreed it reads the column-major copy, made again when the weight
-    changes in place (a full-weight reload)."""
+    product probes the two reads (on this project's CPUs they agree from 16 rows up); a count
+    where they differ never reads the copy; at one where they agree the copy is read, made
+    again when the weight changes in place (a full-weight reload)."""
     from torch import nn
 
+    from reprorl import invariance
     from reprorl.grpo.server_weights import Switch
-    from reprorl.invariance import COLUMNS, column_product
 
+    monkeypatch.setattr(invariance, "AGREEMENT", {})  # this test's probes only
     generator = torch.Generator().manual_seed(5)
-    base = nn.Linear(64, 96)  # a shape no other test uses: its agreement table is its own
+    base = nn.Linear(64, 96)
     switch = Switch(base)
     counts = range(1, 41)
+
+    def inputs(rows):
+        return [torch.randn(*shape, generator=generator) for shape in ((1, rows, 64),
+                                                                       (rows, 1, 64))]
+
     with torch.inference_mode():
-        for _ in range(2):  # compared first, then read the way that agreed
+        for _ in range(2):  # probed first, then read the way the probe chose
             for rows in counts:
-                for shape in ((1, rows, 64), (rows, 1, 64)):
-                    x = torch.randn(*shape, generator=generator)
-                    assert torch.equal(switch(x), base(x)), f"{shape} changed bits"
-        agreed = COLUMNS[((64, 96), True, 1)]
-        assert set(agreed) == set(counts)
-        monkeypatch.setitem(agreed, 40, True)  # as on this project's CPUs: the copy is read
+                for x in inputs(rows):
+                    assert torch.equal(switch(x), base(x)), f"{tuple(x.shape)} changed bits"
+        agreement = invariance.AGREEMENT[((64, 96), True, 1)]
+        assert set(agreement) == set(counts)
+        # a read that differs: the probe says so, and the copy is never read at that count
+        right = invariance.column_product
+        monkeypatch.setattr(invariance, "column_product",
+                            lambda x, columns, bias: right(x, columns, bias) + 1)
+        for x in inputs(41) * 2:
+            assert torch.equal(switch(x), base(x))
+        assert agreement[41] is False
+        monkeypatch.setattr(invariance, "column_product", right)
+        monkeypatch.setitem(agreement, 40, True)  # as on this project's CPUs: the copy is read
         base.weight.copy_(torch.randn(96, 64, generator=generator))
         x = torch.randn(1, 40, 64, generator=generator)
-        assert torch.equal(switch(x), column_product(x, base.weight.t().contiguous(),
-                                                     base.bias))
-        assert switch.columns[0] == (base.weight.data_ptr(), base.weight._version)
+        assert torch.equal(switch(x), right(x, base.weight.t().contiguous(), base.bias))
 
 
 def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(one_thread):

@@ -10,7 +10,7 @@ differ from machine to machine, so the engine asks instead of assuming:
 - `heads_invariant`: a prompt forwarded after the KV of a head it shares with a recent prompt
   gets the bits of its own whole forward (`Engine.shared_head`).
 - `linear`: a linear layer's product from a column-major copy of its weight, which is faster,
-  at the row counts where that was seen to give the layer's own bits (`server_weights.Switch`).
+  at the row counts where a probe finds the layer's own bits (`server_weights.Switch`).
 Each probe runs the model's own weights on random inputs. `forward_prompt`, the engine's prompt
 forward, lives here because the head probe must test exactly the function the engine runs.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -43,13 +44,13 @@ SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 # their bits from 16 rows up. With other heads the bits moved (measured: a row in a query
 # block of under 16 rows in one forward and of 32 in the other).
 HEAD_BLOCK, HEAD_LIMIT = 32, 192
-# nn.Linear keeps its weight [out, in] row-major, which the CPU GEMM reads transposed. From a
-# column-major copy ([in, out] contiguous) the default model's [768, 256] product took 0.65x
-# the time at 24 rows and 0.8x at 80 (Intel Xeon, float32, one thread), with the layer's own
-# bits at every count from 16 rows up (its shapes probed to 256), and at 1 to 5; from 6 to
-# 10-14 MKL takes another path and the bits differ. `linear` compares the two at each row
-# count's first product, so an unprobed machine keeps its bits too.
-COLUMNS: dict[tuple, dict[int, bool]] = {}  # (shape, bias, threads) -> {rows: same bits}
+# nn.Linear keeps its weight [out, in] row-major, which the CPU GEMM reads transposed; from a
+# column-major copy ([in, out] contiguous) MKL multiplies faster at the engine's row counts
+# (benchmarks/records/mm-columns-xeon-2aa3327.log). On the Intel Xeon (float32, one thread) the
+# two reads give the same bits at every count from 16 rows up (the default model's shapes,
+# probed to 256) and at 1 to 5, not from 6 up to 10 or 14 (by shape), where MKL takes another
+# path. `linear` probes each row count before it reads the copy there.
+AGREEMENT: dict[tuple, dict[int, bool]] = {}  # (shape, bias, threads) -> {rows: same bits}
 
 
 PROBED: dict[tuple, bool] = {}  # `rows_invariant`, `heads_invariant` by shapes and threads
@@ -94,21 +95,20 @@ def probe_rows(linears: dict, rank: int) -> bool:
 
 def linear(layer: torch.nn.Linear, x: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     """`layer(x)`, bit for bit: from `columns`, the weight's column-major copy, at a row count
-    where that gave the layer's own bits; at a row count's first product (once per process for
-    each shape, bias and thread count) both run, the layer's result is returned and whether
-    they agree is kept."""
-    if not x.is_contiguous():
+    where the two reads gave the same bits on a random input through the layer's weights
+    (probed at the count's first product, once per process for each shape, bias and thread
+    count), else from the layer itself. Only a 2-D or 3-D input that is contiguous and 64-byte
+    aligned, as PyTorch allocates (MKL's bits may follow the alignment), reads the copy."""
+    if x.dim() not in (2, 3) or not x.is_contiguous() or x.data_ptr() % 64:
         return layer(x)
-    rows = x.numel() // x.shape[-1]
+    rows = math.prod(x.shape[:-1])
     key = (tuple(columns.shape), layer.bias is not None, torch.get_num_threads())
-    agree = COLUMNS.setdefault(key, {})
-    same = agree.get(rows)
-    if same:
-        return column_product(x, columns, layer.bias)
-    result = layer(x)
-    if same is None:
-        agree[rows] = torch.equal(result, column_product(x, columns, layer.bias))
-    return result
+    agreement = AGREEMENT.setdefault(key, {})
+    if rows not in agreement:
+        generator = torch.Generator().manual_seed(rows)
+        probe = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        agreement[rows] = torch.equal(layer(probe), column_product(probe, columns, layer.bias))
+    return column_product(x, columns, layer.bias) if agreement[rows] else layer(x)
 
 
 def column_product(x: torch.Tensor, columns: torch.Tensor, bias: torch.Tensor | None

@@ -72,21 +72,26 @@ class Switch(nn.Module):
         self.base, self.active = base, None  # active: (A, B, scale) or None
         # [(weights: (A, B, scale) or a stack, rows: bool [slots, 1, 1] or None: all)]
         self.by_row: list = []
-        self.columns = None  # ((the weight's storage, version), its column-major copy)
+        self.columns = None  # (the weight's storage, its stamp, its column-major copy)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """`base(x)`, bit for bit; in float32 on the CPU from a column-major copy of the
-        weight (a second copy: 18 MB for the default model's projections), made again when
-        the weight changes (a full-weight reload copies into it), where `invariance.linear`
-        found that faster read gives the same bits (`benchmarks/columns.py`)."""
+        weight (a second copy: 18.9 MB for the default model's projections) where
+        `invariance.linear` finds that faster read gives the same bits (`benchmarks/columns.py`).
+        The copy is made again when the weight changes: a full-weight reload copies into the
+        parameter, which moves its version (a write through `.data` would not)."""
         weight = self.base.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or (
-                weight.is_inference()):  # an inference tensor keeps no version to watch
+                weight.is_inference() or torch.is_grad_enabled() and weight.requires_grad):
+            # no version to watch, or a gradient the detached copy would not pass on
+            self.columns = None
             return self.base(x)
-        version = (weight.data_ptr(), weight._version)
-        if self.columns is None or self.columns[0] != version:
-            self.columns = (version, weight.detach().t().contiguous())
-        return linear(self.base, x, self.columns[1])
+        storage = weight.untyped_storage()  # held: its address is not reused while we look
+        stamp = (storage.data_ptr(), weight.storage_offset(), weight._version)
+        columns = self.columns
+        if columns is None or columns[1] != stamp:
+            columns = self.columns = (storage, stamp, weight.detach().t().contiguous())
+        return linear(self.base, x, columns[2])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.product(x)
