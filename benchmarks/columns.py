@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 import torch
-from prefill_heads import arguments, run, served  # benchmarks/: the script's own folder
+from prefill_heads import alternate, arguments, run, seconds, served  # the script's folder
 
 from reprorl.grpo.server_weights import Switch
 
@@ -37,25 +37,18 @@ def main() -> None:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x)
 
-    best: dict[str, dict] = {}
-    outputs = {}
-    with torch.inference_mode():
-        for round_ in range(args.rounds):
-            for arm, product in (("rows", rows), ("columns", columns)):
-                Switch.product = product
-                try:
-                    result = run(model, switches, adapters, prompts, True, NEW_TOKENS)
-                finally:
-                    Switch.product = columns
-                outputs[arm] = result.pop("outputs")
-                print(f"round {round_ + 1} {arm}: {result['total_s']:.3f} s, prefill "
-                      f"{result['prefill_s']:.3f} s", flush=True)
-                if arm not in best or result["total_s"] < best[arm]["total_s"]:
-                    best[arm] = result
-    same = outputs["rows"] == outputs["columns"]
-    print(f"same tokens and log-probs in both arms: {same}")
-    print(json.dumps({"total_s": {arm: round(r["total_s"], 3) for arm, r in best.items()},
-                      "prefill_s": {arm: round(r["prefill_s"], 3) for arm, r in best.items()},
+    def arm(product):
+        def call() -> dict:
+            Switch.product = product
+            try:
+                return run(model, switches, adapters, prompts, True, NEW_TOKENS)
+            finally:
+                Switch.product = columns
+        return call
+
+    best, same = alternate(args.rounds, {"rows": arm(rows), "columns": arm(columns)},
+                           "total_s")
+    print(json.dumps({**seconds(best),
                       "speedup": round(best["rows"]["total_s"] / best["columns"]["total_s"], 3),
                       "prefill_speedup": round(best["rows"]["prefill_s"]
                                                / best["columns"]["prefill_s"], 3),

@@ -97,25 +97,40 @@ def served(configfile: str) -> tuple[list[list[int]], tuple]:
     return prompts[:PROMPTS], served_model(path)
 
 
-def main() -> None:
-    args = arguments(__doc__, 3)
-    prompts, (model, switches, adapters) = served(args.config)
+def alternate(rounds: int, arms: dict, by: str) -> tuple[dict, bool]:
+    """Each arm (a name and a call that returns `run`'s result) `rounds` times, the arms
+    alternating: each arm's best round by `by` (a seconds key), and whether every arm drew
+    the same tokens and log-probs."""
     best: dict[str, dict] = {}
     outputs = {}
     with torch.inference_mode():
-        for round_ in range(args.rounds):
-            for arm, reuse in (("heads", True), ("whole", False)):
-                result = run(model, switches, adapters, prompts, reuse)
+        for round_ in range(rounds):
+            for arm, call in arms.items():
+                result = call()
                 outputs[arm] = result.pop("outputs")
-                print(f"round {round_ + 1} {arm}: prefill {result['prefill_s']:.3f} s of "
-                      f"{result['total_s']:.3f} s, {result['reused_tokens']} tokens reused",
+                print(f"round {round_ + 1} {arm}: {result['total_s']:.3f} s, prefill "
+                      f"{result['prefill_s']:.3f} s, {result['reused_tokens']} tokens reused",
                       flush=True)
-                if arm not in best or result["prefill_s"] < best[arm]["prefill_s"]:
+                if arm not in best or result[by] < best[arm][by]:
                     best[arm] = result
-    same = outputs["heads"] == outputs["whole"]
+    same = all(output == outputs[next(iter(arms))] for output in outputs.values())
     print(f"same tokens and log-probs in both arms: {same}")
-    print(json.dumps({"prefill_s": {arm: round(r["prefill_s"], 3) for arm, r in best.items()},
-                      "total_s": {arm: round(r["total_s"], 3) for arm, r in best.items()},
+    return best, same
+
+
+def seconds(best: dict) -> dict:
+    """The best rounds' seconds, for the JSON line."""
+    return {key: {arm: round(r[key], 3) for arm, r in best.items()}
+            for key in ("prefill_s", "total_s")}
+
+
+def main() -> None:
+    args = arguments(__doc__, 3)
+    prompts, (model, switches, adapters) = served(args.config)
+    best, same = alternate(args.rounds, {
+        arm: lambda reuse=reuse: run(model, switches, adapters, prompts, reuse)
+        for arm, reuse in (("heads", True), ("whole", False))}, "prefill_s")
+    print(json.dumps({**seconds(best),
                       "prefill_speedup": round(best["whole"]["prefill_s"]
                                                / best["heads"]["prefill_s"], 3),
                       "reused_tokens": best["heads"]["reused_tokens"],

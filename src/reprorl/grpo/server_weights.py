@@ -72,7 +72,7 @@ class Switch(nn.Module):
         self.base, self.active = base, None  # active: (A, B, scale) or None
         # [(weights: (A, B, scale) or a stack, rows: bool [slots, 1, 1] or None: all)]
         self.by_row: list = []
-        self.columns = None  # (the weight's storage, its stamp, its column-major copy)
+        self.columns = None  # (the weight's storage, (address, version), its copy)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """`base(x)`, bit for bit; in float32 on the CPU from a column-major copy of the
@@ -86,11 +86,12 @@ class Switch(nn.Module):
             # no version to watch, or a gradient the detached copy would not pass on
             self.columns = None
             return self.base(x)
-        storage = weight.untyped_storage()  # held: its address is not reused while we look
-        stamp = (storage.data_ptr(), weight.storage_offset(), weight._version)
+        stamp = (weight.data_ptr(), weight._version)
         columns = self.columns
+        # the old storage is held, so no new weight can take its address
         if columns is None or columns[1] != stamp:
-            columns = self.columns = (storage, stamp, weight.detach().t().contiguous())
+            columns = self.columns = (weight.untyped_storage(), stamp,
+                                      weight.detach().t().contiguous())
         return linear(self.base, x, columns[2])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
