@@ -18,13 +18,28 @@ from reprorl.sampling import sample, sample_many
 EOS, MAX_LEN = 3, 256
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
+def tiny_qwen(seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=MAX_LEN)
     return Qwen2ForCausalLM(config).eval()
+
+
+def random_adapter(name: str, rank: int, switches: dict, generator: torch.Generator):
+    """An adapter of `rank` on every switch, random A and B (x 0.3), alpha / r 2."""
+    from reprorl.engine import Adapter
+
+    return Adapter(name, "", {key: (0.3 * torch.randn(rank, s.base.in_features,
+                                                      generator=generator),
+                                    0.3 * torch.randn(s.base.out_features, rank,
+                                                      generator=generator), 2.0)
+                              for key, s in switches.items()})
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen(0)
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -229,32 +244,67 @@ def test_a_switch_reads_a_column_major_copy_only_where_it_gives_the_layers_bits(
         assert torch.equal(switch(x), right(x, base.weight.t().contiguous(), base.bias))
 
 
+def test_a_warmed_up_engine_probes_only_its_prompts_lengths_and_keeps_the_bits(
+        one_thread, monkeypatch):
+    """`Engine.warm_up` settles before the first request what the engine probes once per
+    process: afterwards, sampling 40 sequences of an adapter over 32 slots adds no probe but
+    `invariance.linear`'s at each new prompt length (no decode forward's row count), and
+    draws the bits a cold engine draws."""
+    from reprorl import invariance
+    from reprorl.engine import Engine, Sequence
+    from reprorl.grpo.server_weights import install_switches
+    from reprorl.logprobs import Params
+
+    model = tiny_qwen(2)
+    switches = install_switches(model)
+    lora = random_adapter("a", 8, switches, torch.Generator().manual_seed(6))
+    rng = random.Random(31)  # prompts of 40 tokens or more: above any decode row count here
+    pool = [[rng.randrange(4, 64) for _ in range(rng.randrange(40, 150))] for _ in range(40)]
+
+    def run(warm: bool) -> tuple[list, dict, dict]:
+        monkeypatch.setattr(invariance, "AGREEMENT", {})  # this engine's probes only
+        monkeypatch.setattr(invariance, "PROBED", {})
+        engine = Engine(model, switches, 32, 32 * MAX_LEN, MAX_LEN, rows=16)
+        if warm:
+            engine.warm_up()
+            engine.settle_rank(lora.rank)  # the server asks it as it loads an adapter
+        settled = {key: set(counts) for key, counts in invariance.AGREEMENT.items()}
+        probed = dict(invariance.PROBED)
+        seqs = [Sequence(list(p), Params(max_tokens=1 + (5 * i) % 20, temperature=1.0,
+                                         logprobs=0), lora, torch.Generator().manual_seed(i))
+                for i, p in enumerate(pool)]
+        engine.generate(seqs)
+        assert engine.work["decode_forwards"] > 0
+        after = {key: set(counts) - settled.get(key, set())
+                 for key, counts in invariance.AGREEMENT.items()}
+        return [(s.generated, s.logprobs) for s in seqs], after, probed
+
+    cold, _, _ = run(False)
+    warm, added, probed = run(True)
+    assert warm == cold
+    assert probed == invariance.PROBED  # rows, heads and the adapter's rank: all at warm-up
+    assert set(added) == {(tuple(s.base.weight.shape[::-1]), s.base.bias is not None, 1)
+                          for s in switches.values()}  # (copy's shape, bias, threads)
+    lengths = {len(p) for p in pool}
+    for key, counts in added.items():
+        assert counts <= lengths, f"{key}: probed at {sorted(counts - lengths)} rows"
+
+
 def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(one_thread):
     """Stacked adapters (one thread): a sequence of a rank-1 adapter, and one of a rank-8
     adapter, draw the same bits alone and beside other adapters of their rank. On this
     project's CPUs a `bmm` of rank 1 gives other bits with one item than with two, so a rank
     whose batched products change with the stack (`rows_invariant` at that rank) runs each
     adapter on its own."""
-    from reprorl.engine import Adapter, Engine, Sequence
+    from reprorl.engine import Engine, Sequence
     from reprorl.grpo.server_weights import install_switches
     from reprorl.logprobs import Params
 
-    torch.manual_seed(1)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=MAX_LEN)
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_qwen(1)
     switches = install_switches(model)
     generator = torch.Generator().manual_seed(4)
-
-    def adapter(name: str, rank: int) -> Adapter:
-        return Adapter(name, "", {key: (0.3 * torch.randn(rank, s.base.in_features,
-                                                          generator=generator),
-                                        0.3 * torch.randn(s.base.out_features, rank,
-                                                          generator=generator), 2.0)
-                                  for key, s in switches.items()})
-
-    a, b, c, d = adapter("a", 1), adapter("b", 1), adapter("c", 8), adapter("d", 8)
+    a, b, c, d = (random_adapter(name, rank, switches, generator)
+                  for name, rank in (("a", 1), ("b", 1), ("c", 8), ("d", 8)))
     params = Params(max_tokens=16, temperature=1.0, logprobs=0)
     pool = prompts(4, 29)
 

@@ -280,6 +280,30 @@ class Engine(threading.Thread):
         groups of SPAN_ROWS rows or more."""
         return self.stacked and self.rows >= SPAN_ROWS
 
+    def warm_up(self) -> float:
+        """Settle before the first request what this process probes once and a request would
+        otherwise wait on (as vLLM profiles its model before it serves): `stacked` and
+        `reuses_heads` (0.2 s on the default model, nearly all `heads_invariant`), and at each
+        row count a decode forward may have, whether each projection shape may read its
+        column-major copy (`invariance.linear`; a prompt's count is probed at its first
+        prefill, there are too many). Nothing is kept but the answers and those copies; the
+        probes' bits are what they would be later (same shapes, same thread count). Returns
+        the seconds spent."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self.reuses_heads  # noqa: B018 (asks `stacked` first; both log what they found)
+            counts = range(self.rows, self.slots + 1) if self.span else [self.rows]
+            shapes = {}  # one switch per weight shape and bias: the probes' key
+            for switch in self.switches.values():
+                base = switch.base
+                shapes.setdefault((tuple(base.weight.shape), base.bias is not None), switch)
+            for switch in shapes.values():
+                for count in counts:  # a decode forward's input: [rows, 1, hidden]
+                    switch.product(torch.zeros(count, 1, switch.base.in_features,
+                                               dtype=switch.base.weight.dtype,
+                                               device=switch.base.weight.device))
+        return time.perf_counter() - started
+
     def generate(self, seqs: list[Sequence]) -> None:
         """Run `seqs` to their ends in the caller's thread, the same steps the background
         thread takes (so the same bits): in-process generation, no HTTP, the thread unused.
@@ -657,6 +681,13 @@ class Engine(threading.Thread):
                 [row for adapter in members for row in rows_of[id(adapter)]])
             for name, switch in self.switches.items():
                 switch.by_row.append(((*weights[name], pick, scale), kept))
+
+    def settle_rank(self, rank: int) -> None:
+        """Ask `stacks_rank(rank)` ahead (as an adapter loads), where `stacked` would ask it
+        at the first decode forward of an adapter of that rank."""
+        if self.stacked:
+            with torch.inference_mode():
+                self.stacks_rank(rank)
 
     def stacks_rank(self, rank: int = 16) -> bool:
         """`rows_invariant` at `rank`, asked once per engine (the probe's key walks the

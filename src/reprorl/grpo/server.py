@@ -12,9 +12,10 @@ A background thread runs the batch-invariant engine (`reprorl.engine.Engine`) ov
 `min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
 groups of `--decode-rows` (with one thread and 16 rows or more, one forward spans every group in
 use): a request's tokens, log-probs and top log-probs are bitwise the same whatever else runs
-beside it. Log-probs are vLLM's `processed_logprobs` (after the repetition
-penalty, temperature, min-p, top-k, top-p; greedy: the penalised log-softmax). Each request samples
-with its own generator.
+beside it. Before it listens, the engine settles what it probes once per process
+(`Engine.warm_up`), as vLLM profiles its model at start-up. Log-probs are vLLM's
+`processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; greedy:
+the penalised log-softmax). Each request samples with its own generator.
 
 Departures from vLLM: CPU only, one process; no streaming, `n` = 1, no `echo`, one prompt per
 request, no stop strings, no `min_tokens`, no presence or frequency penalty (0 only), no beam
@@ -295,6 +296,7 @@ class Server:
                            "(--max-loras); unload one first.")
         adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.switches,
                                           self.args.max_lora_rank, self.lora_root)
+        await asyncio.to_thread(self.engine.settle_rank, adapter.rank)  # not in a decode step
         if name in self.adapters:  # loaded by a concurrent request meanwhile
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
         if len(self.adapters) >= self.args.max_loras:  # likewise
@@ -657,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
               "step's mask is per row, not per window)", file=sys.stderr)
         return 2
     server = Server(args, model, tokenizer)
+    log.info("warmed up in %.2f s (the engine's probes)", server.engine.warm_up())
     server.engine.start()
     asyncio.run(serve(server, args))
     return 0
