@@ -247,9 +247,10 @@ def test_a_switch_reads_a_column_major_copy_only_where_it_gives_the_layers_bits(
 def test_a_warmed_up_engine_probes_only_its_prompts_lengths_and_keeps_the_bits(
         one_thread, monkeypatch):
     """`Engine.warm_up` settles before the first request what the engine probes once per
-    process: afterwards, sampling 40 sequences of an adapter over 32 slots adds no probe but
-    `invariance.linear`'s at each new prompt length (no decode forward's row count), and
-    draws the bits a cold engine draws."""
+    process: `invariance.linear`'s agreement at every row count a decode forward can have, for
+    every projection shape, and the engine's own probes; afterwards, sampling 40 sequences of
+    an adapter over 32 slots adds no probe but `linear`'s at each new prompt length, and draws
+    the bits a cold engine draws."""
     from reprorl import invariance
     from reprorl.engine import Engine, Sequence
     from reprorl.grpo.server_weights import install_switches
@@ -268,6 +269,12 @@ def test_a_warmed_up_engine_probes_only_its_prompts_lengths_and_keeps_the_bits(
         if warm:
             engine.warm_up()
             engine.settle_rank(lora.rank)  # the server asks it as it loads an adapter
+            decode_counts = set(range(16, 33)) if engine.span else {16}
+            shapes = {(tuple(s.base.weight.shape[::-1]), s.base.bias is not None, 1)
+                      for s in switches.values()}  # (the copy's shape, bias, threads)
+            assert set(invariance.AGREEMENT) == shapes
+            assert all(decode_counts <= set(counts)  # and the head probe's prompt lengths
+                       for counts in invariance.AGREEMENT.values())
         settled = {key: set(counts) for key, counts in invariance.AGREEMENT.items()}
         probed = dict(invariance.PROBED)
         seqs = [Sequence(list(p), Params(max_tokens=1 + (5 * i) % 20, temperature=1.0,
@@ -283,8 +290,6 @@ def test_a_warmed_up_engine_probes_only_its_prompts_lengths_and_keeps_the_bits(
     warm, added, probed = run(True)
     assert warm == cold
     assert probed == invariance.PROBED  # rows, heads and the adapter's rank: all at warm-up
-    assert set(added) == {(tuple(s.base.weight.shape[::-1]), s.base.bias is not None, 1)
-                          for s in switches.values()}  # (copy's shape, bias, threads)
     lengths = {len(p) for p in pool}
     for key, counts in added.items():
         assert counts <= lengths, f"{key}: probed at {sorted(counts - lengths)} rows"

@@ -292,6 +292,24 @@ def test_lora_adapters(server, reference, tiny_model, tmp_path):
     assert response.status_code == 404 and response.json()["error"]["type"] == "NotFoundError"
 
 
+def test_the_engine_probes_before_it_listens_and_an_adapters_rank_as_it_loads(
+        tiny_model, tmp_path):
+    """`reprorl serve` settles the engine's probes before it writes its port (`warm_up`: its
+    decode and prefill modes are logged before "ready"), and a LoRA's rank as the adapter
+    loads (`settle_rank`, between two engine steps: logged before the load answers), not in
+    the first requests."""
+    with running_server(tiny_model, tmp_path, "--max-lora-rank", "8") as (url, _):
+        ready = (tmp_path / "server.log").read_text()
+        assert "warmed up in" in ready and "decode: " in ready and "prefill: " in ready
+        assert ready.index("decode: ") < ready.index("ready on")
+        assert "LoRA rank" not in ready
+        adapter_model(tiny_model, tmp_path / "adapter", 8, seed=3)
+        response = requests.post(f"{url}/v1/load_lora_adapter", timeout=30, json={
+            "lora_name": "policy", "lora_path": str(tmp_path / "adapter")})
+        assert response.status_code == 200
+        assert "LoRA rank 8: " in (tmp_path / "server.log").read_text()
+
+
 def perturbed_model(tiny_model, directory, seed):
     """A copy of the base with every weight moved (the tied embedding too), saved as
     `save_pretrained` writes full weights."""

@@ -51,6 +51,11 @@ from .logprobs import GREEDY_EPS, Params, processed_logprobs, race
 log = logging.getLogger("reprorl.serve")
 PREFIX_CACHE_PROMPTS = 16  # recent prefills kept for reuse (a few groups' prompts)
 STACKED_COMBINATIONS = 4  # combinations of adapters whose stacked weights are kept
+# decode row counts `Engine.warm_up` probes at most, each three products per weight shape: in
+# float32 at Qwen2.5-0.5B's dimensions on the Intel Xeon, the warm-up took 10-11 s with 64 or 256
+# slots (mostly the head probe, which the first request paid before), 26 s probing all 256
+# counts; a larger count is probed at its first forward
+WARM_ROWS = 64
 FINISH_REASONS = ("stop", "length", "abort")
 # `Engine.work`, where the engine thread's time goes (the server's `reprorl:engine_*` on
 # /metrics): whether the server is the bound, and what its decode forwards carry (adapters:
@@ -284,15 +289,16 @@ class Engine(threading.Thread):
         """Settle before the first request what this process probes once and a request would
         otherwise wait on (as vLLM profiles its model before it serves): `stacked` and
         `reuses_heads` (0.2 s on the default model, nearly all `heads_invariant`), and at each
-        row count a decode forward may have, whether each projection shape may read its
-        column-major copy (`invariance.linear`; a prompt's count is probed at its first
-        prefill, there are too many). Nothing is kept but the answers and those copies; the
-        probes' bits are what they would be later (same shapes, same thread count). Returns
-        the seconds spent."""
+        row count a decode forward may have (up to WARM_ROWS), whether each projection shape
+        may read its column-major copy (`invariance.linear`; a prompt's count is probed at its
+        first prefill, there are too many). Nothing is kept but the answers and those copies;
+        the probes' bits are what they would be later (same shapes, same thread count). The
+        time moves, it is not saved: a run pays it at start-up. Returns the seconds spent."""
         started = time.perf_counter()
         with torch.inference_mode():
             self.reuses_heads  # noqa: B018 (asks `stacked` first; both log what they found)
-            counts = range(self.rows, self.slots + 1) if self.span else [self.rows]
+            counts = range(self.rows, min(self.slots, WARM_ROWS) + 1) if self.span else [
+                self.rows]
             shapes = {}  # one switch per weight shape and bias: the probes' key
             for switch in self.switches.values():
                 base = switch.base
@@ -683,11 +689,13 @@ class Engine(threading.Thread):
                 switch.by_row.append(((*weights[name], pick, scale), kept))
 
     def settle_rank(self, rank: int) -> None:
-        """Ask `stacks_rank(rank)` ahead (as an adapter loads), where `stacked` would ask it
-        at the first decode forward of an adapter of that rank."""
-        if self.stacked:
+        """Ask `stacks_rank(rank)` ahead (the server: as an adapter loads, between two steps,
+        where no weight reload can run beside the probe), where `stacked` would ask it at the
+        first decode forward of an adapter of that rank."""
+        if self.stacked and rank not in self.ranks:
             with torch.inference_mode():
-                self.stacks_rank(rank)
+                log.info("LoRA rank %d: %s", rank, "adapters stacked" if self.stacks_rank(rank)
+                         else "each adapter on its own (this rank's batched products move bits)")
 
     def stacks_rank(self, rank: int = 16) -> bool:
         """`rows_invariant` at `rank`, asked once per engine (the probe's key walks the
