@@ -305,9 +305,8 @@ class Engine(threading.Thread):
                 shapes.setdefault((tuple(base.weight.shape), base.bias is not None), switch)
             for switch in shapes.values():
                 for count in counts:  # a decode forward's input: [rows, 1, hidden]
-                    switch.product(torch.zeros(count, 1, switch.base.in_features,
-                                               dtype=switch.base.weight.dtype,
-                                               device=switch.base.weight.device))
+                    switch.product(switch.base.weight.new_zeros(
+                        count, 1, switch.base.in_features))
         return time.perf_counter() - started
 
     def generate(self, seqs: list[Sequence]) -> None:
@@ -688,11 +687,15 @@ class Engine(threading.Thread):
             for name, switch in self.switches.items():
                 switch.by_row.append(((*weights[name], pick, scale), kept))
 
+    def unsettled(self, rank: int) -> bool:
+        """Whether a decode forward would still probe adapters of `rank` (`stacks_rank`)."""
+        return self.stacked and rank not in self.ranks
+
     def settle_rank(self, rank: int) -> None:
         """Ask `stacks_rank(rank)` ahead (the server: as an adapter loads, between two steps,
         where no weight reload can run beside the probe), where `stacked` would ask it at the
         first decode forward of an adapter of that rank."""
-        if self.stacked and rank not in self.ranks:
+        if self.unsettled(rank):
             with torch.inference_mode():
                 log.info("LoRA rank %d: %s", rank, "adapters stacked" if self.stacks_rank(rank)
                          else "each adapter on its own (this rank's batched products move bits)")

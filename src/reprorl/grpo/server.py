@@ -296,12 +296,11 @@ class Server:
                            "(--max-loras); unload one first.")
         adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.switches,
                                           self.args.max_lora_rank, self.lora_root)
-        engine = self.engine
-        if engine.stacked and adapter.rank not in engine.ranks:  # once, not at every sync
+        if self.engine.unsettled(adapter.rank):  # once a rank, not at every weight sync
             # the engine's probe, ahead of the adapter's first decode step and in the engine
             # thread between steps: beside a weight reload it could read half-copied weights
-            await asyncio.wrap_future(engine.between_steps(
-                functools.partial(engine.settle_rank, adapter.rank)))
+            await asyncio.wrap_future(self.engine.between_steps(
+                functools.partial(self.engine.settle_rank, adapter.rank)))
         if name in self.adapters:  # loaded by a concurrent request meanwhile
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
         if len(self.adapters) >= self.args.max_loras:  # likewise
