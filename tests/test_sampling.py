@@ -169,6 +169,58 @@ def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_t
     assert not engine.span and not engine.stacked
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, kv_heads):
+    """`decode_step.logits` stands in for the model call in the engine's decode forwards of a
+    Qwen2 under SDPA (with grouped queries and without): every forward's logits are the
+    model call's, bit for bit, at every row count and attended length a run reaches, with
+    adapters stacked (rank 8), alone (rank 1) and none beside each other."""
+    from reprorl import decode_step
+    from reprorl.engine import Engine, Sequence
+    from reprorl.grpo.server_weights import install_switches
+    from reprorl.logprobs import Params
+
+    torch.manual_seed(3)
+    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=kv_heads, max_position_embeddings=MAX_LEN)
+    model = Qwen2ForCausalLM(config).eval()
+    switches = install_switches(model)
+    generator = torch.Generator().manual_seed(8)
+    loras = [None] + [random_adapter(name, rank, switches, generator)
+                      for name, rank in (("a", 8), ("b", 8), ("c", 1))]
+    pool = prompts(40, 23)
+
+    def run(written_out: bool) -> tuple[list, list]:
+        engine = Engine(model, switches, 32, 32 * MAX_LEN, MAX_LEN, rows=16)
+        assert engine.written_out
+        engine.written_out = written_out
+        forwards, decode_slots = [], engine.decode_slots
+
+        def recorded(first, end, members):
+            logits = decode_slots(first, end, members)
+            forwards.append((end - first, logits))
+            return logits
+        engine.decode_slots = recorded
+        seqs = [Sequence(list(p), Params(max_tokens=1 + 5 * i % 30, temperature=1.0,
+                                         logprobs=2), loras[i % 4],
+                         torch.Generator().manual_seed(i)) for i, p in enumerate(pool)]
+        engine.generate(seqs)
+        return forwards, [(seq.generated, seq.logprobs) for seq in seqs]
+
+    written, outputs = run(True)
+    called, expected = run(False)
+    assert outputs == expected
+    assert [rows for rows, _ in written] == [rows for rows, _ in called]
+    assert len({rows for rows, _ in written}) > 3  # the forwards spanned many row counts
+    for (_, ours), (_, theirs) in zip(written, called):
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[slot], theirs[slot]) for slot in ours)
+    eager = Qwen2ForCausalLM._from_config(config, attn_implementation="eager")
+    assert not decode_step.supported(eager)
+    assert not decode_step.supported(type("Wrapped", (Qwen2ForCausalLM,), {})(config))
+
+
 def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread):
     """A client's adapter whose branch overflows to Inf poisons only its own rows: a base row
     and a row of another adapter in the same decode forward keep their exact results,

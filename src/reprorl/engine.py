@@ -5,8 +5,9 @@ whole groups of `rows` slots): each step admits waiting sequences FIFO into the 
 slots, prefills each alone, and decodes the running sequences whatever adapters they use: in
 one forward over the slots up to the highest in use (on the CPU with one thread and groups of
 16 rows or more, where the row count changes no row's bits: `invariance.py` probes it), or in
-one forward of a fixed shape per group of slots in use. So a sequence's tokens, log-probs and
-top log-probs are bitwise the same whatever else runs beside it. Log-probs are vLLM's
+one forward of a fixed shape per group of slots in use (a Qwen2's written out, `decode_step.py`:
+the model call's bits with less Python). So a sequence's tokens, log-probs and top log-probs are
+bitwise the same whatever else runs beside it. Log-probs are vLLM's
 `processed_logprobs` (`logprobs.py`: after the repetition penalty, temperature, min-p, top-k,
 top-p; greedy: the penalised log-softmax); each sequence samples with its own generator.
 `grpo/server.py` runs the engine in a background thread behind vLLM's HTTP API;
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import devices
+from . import decode_step, devices
 from .encoding import mask_for
 from .invariance import (
     HEAD_BLOCK,
@@ -244,6 +245,8 @@ class Engine(threading.Thread):
         self.free = list(range(self.slots))
         self.cache = None  # the KV slots, allocated at the first prefill (its shapes, dtype)
         self.cache_arg = cache_argument(model)
+        # decode forwards through `decode_step.logits` (the model call's bits, less Python)
+        self.written_out = decode_step.supported(model)
         self.cond = threading.Condition()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -622,15 +625,19 @@ class Engine(threading.Thread):
                 <= positions[:, None])[:, None, None, :]
         try:
             self.adapt_rows(count, len(members), list(by_adapter.values()))
-            output = self.model(input_ids=ids, position_ids=positions[:, None],
-                                attention_mask=mask_for(self.model, mask), use_cache=True,
-                                # older 5.x read it
-                                cache_position=torch.tensor([length - 1], device=self.device),
-                                **{self.cache_arg: self.cache})
-        finally:
+            if self.written_out:
+                logits = decode_step.logits(self.model, ids, positions[:, None], mask,
+                                            self.cache.layers)
+            else:
+                logits = self.model(
+                    input_ids=ids, position_ids=positions[:, None],
+                    attention_mask=mask_for(self.model, mask), use_cache=True,
+                    cache_position=torch.tensor([length - 1], device=self.device),  # older 5.x
+                    **{self.cache_arg: self.cache}).logits
+        finally:  # in place: a module's attribute assignment costs ~4 us, 42 a forward
             for switch in self.switches.values():
-                switch.by_row = []
-        logits = output.logits[:, -1]
+                switch.by_row.clear()
+        logits = logits[:, -1]
         return {seq.slot: logits[seq.slot - first] for seq in members}
 
     def adapt_rows(self, count: int, decoding: int,
@@ -643,7 +650,7 @@ class Engine(threading.Thread):
         keep the entry's result (None: all, when it serves every decoding row; the others
         are dummies)."""
         for switch in self.switches.values():
-            switch.by_row = []
+            switch.by_row.clear()
         if not by_adapter:
             return
 
