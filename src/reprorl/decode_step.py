@@ -2,7 +2,8 @@
 
 The engine's decode forwards are small (one token for each of 16-64 rows of a tiny model), so
 on the CPU the model call's own Python (argument plumbing, decorators, the mask and output
-machinery) costs about a millisecond of a 8-10 ms forward (`benchmarks/decode_step.py`).
+machinery) costs 0.5-1 ms of a 6-14 ms forward at 16-64 rows on the default model, 5-10 %
+(`benchmarks/decode_step.py`).
 `logits` runs the same operations in the same order on the same modules instead: the
 embedding, rotary embedding, RMSNorms and MLPs are the model's own modules, called as they are;
 only the attention block is written out, as transformers' `Qwen2Attention` and
