@@ -169,12 +169,14 @@ def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_t
     assert not engine.span and not engine.stacked
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, kv_heads):
+@pytest.mark.parametrize("heads, kv_heads", [(2, 1), (4, 2), (2, 2)])
+def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, heads, kv_heads):
     """`decode_step.logits` stands in for the model call in the engine's decode forwards of a
-    Qwen2 under SDPA (with grouped queries and without): every forward's logits are the
-    model call's, bit for bit, at every row count and attended length a run reaches, with
-    adapters stacked (rank 8), alone (rank 1) and none beside each other."""
+    Qwen2 under SDPA (query heads grouped on one or two key/value heads, or not grouped):
+    every forward's logits are the model call's, bit for bit, at every row count and
+    attended length a run reaches, with adapters of rank 8 (stacked where `stacks_rank`
+    finds it keeps the bits), rank 1 (alone on this project's CPUs) and none beside each
+    other. A model with a hook where the written-out step would skip it is not supported."""
     from reprorl import decode_step
     from reprorl.engine import Engine, Sequence
     from reprorl.grpo.server_weights import install_switches
@@ -182,7 +184,7 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, kv_h
 
     torch.manual_seed(3)
     config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2,
+                         num_hidden_layers=2, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=MAX_LEN)
     model = Qwen2ForCausalLM(config).eval()
     switches = install_switches(model)
@@ -216,9 +218,13 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, kv_h
     for (_, ours), (_, theirs) in zip(written, called):
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[slot], theirs[slot]) for slot in ours)
-    eager = Qwen2ForCausalLM._from_config(config, attn_implementation="eager")
-    assert not decode_step.supported(eager)
+    hook = model.model.layers[1].self_attn.register_forward_hook(lambda *_: None)
+    assert not decode_step.supported(model)
+    hook.remove()
+    assert decode_step.supported(model)
     assert not decode_step.supported(type("Wrapped", (Qwen2ForCausalLM,), {})(config))
+    eager = Qwen2ForCausalLM._from_config(config, attn_implementation="eager")  # sets config's
+    assert not decode_step.supported(eager)
 
 
 def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread):
