@@ -2,7 +2,7 @@
 
 The engine's decode forwards are small (one token for each of 16-64 rows of a tiny model), so
 on the CPU the model call's own Python (argument plumbing, decorators, the mask and output
-machinery) costs 0.5-0.75 ms of a 6-14 ms forward at 16-64 rows on the default model, 3-10 %
+machinery) costs 0.4-1 ms of a 7-20 ms forward at 16-64 rows on the default model, 3-8 %
 (`benchmarks/decode_step.py`). `logits` composes the model's own parts instead, in the order
 transformers' `Qwen2ForCausalLM` calls them: its modules (embedding, rotary embedding, norms,
 projections, MLPs, head) called as they are, and the functions its attention calls
