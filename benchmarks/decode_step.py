@@ -22,15 +22,13 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from prefill_heads import GROUP, MAX_LEN, SLOTS, served  # benchmarks/: the script's own folder
+from prefill_heads import GROUP, MAX_LEN, ROOT, SLOTS, served  # the script's own folder
 
 from reprorl.engine import Engine, Sequence
 from reprorl.logprobs import Params
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 40
 
 

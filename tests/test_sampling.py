@@ -18,11 +18,11 @@ from reprorl.sampling import sample, sample_many
 EOS, MAX_LEN = 3, 256
 
 
-def tiny_qwen(seed: int) -> Qwen2ForCausalLM:
+def tiny_qwen(seed: int, heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=MAX_LEN)
+                         num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=MAX_LEN)
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -182,11 +182,8 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, head
     from reprorl.grpo.server_weights import install_switches
     from reprorl.logprobs import Params
 
-    torch.manual_seed(3)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=MAX_LEN)
-    model = Qwen2ForCausalLM(config).eval()
+    model = tiny_qwen(3, heads, kv_heads)
+    config = model.config
     switches = install_switches(model)
     generator = torch.Generator().manual_seed(8)
     loras = [None] + [random_adapter(name, rank, switches, generator)
