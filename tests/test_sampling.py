@@ -469,6 +469,46 @@ def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
     assert seqs[0].error is None and seqs[2].error is None
 
 
+def test_a_slot_taken_again_holds_zeros_past_its_new_occupant(model):
+    """`fill_slot` zeroes only what earlier occupants wrote (`Engine.written`), not the whole
+    slot: long sequences, ending at different steps (so `compact` moves some down), then short
+    ones into the same slots. After every fill, each layer's keys and values past the new
+    occupant are zeros, as a whole-slot zeroing leaves them (a stale Inf there would meet a
+    masked weight 0: NaN), and so is every slot past its `written` mark after each run."""
+    from reprorl.engine import Engine, Sequence
+    from reprorl.logprobs import Params
+
+    engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
+    fill_slot, fills = engine.fill_slot, []
+
+    def checked(slot, kv):
+        fill_slot(slot, kv)
+        for layer in engine.cache.layers:
+            for store in (layer.keys, layer.values):
+                assert not store[slot, :, kv[0][0].shape[1]:].any(), slot
+        fills.append(slot)
+
+    def zeros_past_written():
+        for layer in engine.cache.layers:
+            for store in (layer.keys, layer.values):
+                for slot, written in enumerate(engine.written):
+                    assert not store[slot, :, written:].any(), slot
+
+    engine.fill_slot = checked
+    pool = prompts(24, 5)
+    long = [Sequence(pool[i][:60] + [4] * (60 - len(pool[i][:60])),
+                     Params(max_tokens=(20, 60)[i % 2], temperature=1.0), None,
+                     torch.Generator().manual_seed(i)) for i in range(8)]
+    engine.generate(long)
+    zeros_past_written()
+    assert engine.moves > 0 and max(engine.written) > 60  # moved, and decoded past prompts
+    short = [Sequence(pool[8 + i][:4 + i], Params(max_tokens=3, temperature=1.0), None,
+                      torch.Generator().manual_seed(i)) for i in range(16)]
+    engine.generate(short)
+    zeros_past_written()
+    assert len(fills) == 24 + engine.moves and all(seq.error is None for seq in long + short)
+
+
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_a_prompt_sharing_a_head_forwards_only_its_rest_with_the_same_bits(model, threads):
     """Prompts that share a head with one prefilled before them (a system turn, an agent's

@@ -243,6 +243,9 @@ class Engine(threading.Thread):
         self.slots = slots // self.rows * self.rows  # whole groups only: one shape each
         self.capacity = self.slots * max_len
         self.free = list(range(self.slots))
+        # per slot: its first `written` positions may hold an earlier occupant's KV, the rest
+        # are still the allocation's zeros (`fill_slot` zeroes only what it must)
+        self.written = [0] * self.slots
         self.cache = None  # the KV slots, allocated at the first prefill (its shapes, dtype)
         self.cache_arg = cache_argument(model)
         # decode forwards through `decode_step.logits` (the model call's bits, less Python)
@@ -419,6 +422,7 @@ class Engine(threading.Thread):
         return newcomers
 
     def release(self, seq: Sequence) -> None:
+        self.vacate(seq)
         self.running.remove(seq)
         self.free.append(seq.slot)
         self.free.sort()
@@ -476,6 +480,7 @@ class Engine(threading.Thread):
                                    layer.values[last.slot, :, :last.length])
                                   for layer in self.cache.layers])
             self.free.remove(hole)
+            self.vacate(last)
             self.free.append(last.slot)
             self.free.sort()
             last.slot = hole
@@ -553,14 +558,23 @@ class Engine(threading.Thread):
         self.fill_slot(seq.slot, kv)
         self.sample([seq], logits[None])
 
+    def vacate(self, seq: Sequence) -> None:
+        """Note that `seq` leaves its slot: it wrote its KV there up to its length at most
+        (the decode writes a row's last token at `seq.length - 1`, nothing beyond)."""
+        self.written[seq.slot] = max(self.written[seq.slot], seq.length)
+
     def fill_slot(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one sequence's per-layer (keys, values), [kv heads, its length, head dim],
-        at the start of `slot`, zeroing the rest: a masked position still meets its weight 0
-        in the attention sum, and 0 x Inf left by an earlier occupant would be NaN."""
+        at the start of `slot`, and zero what an earlier occupant left beyond it: a masked
+        position still meets its weight 0 in the attention sum, and 0 x Inf would be NaN.
+        Past `written` the slot holds zeros already, so only that stretch is zeroed (zeroing
+        the whole slot took about 7 % of the prefills' time on the default model)."""
+        length = kv[0][0].shape[1]
         for slot_layer, pair in zip(self.cache.layers, kv):
             for store, tensor in zip((slot_layer.keys, slot_layer.values), pair):
-                store[slot].zero_()
-                store[slot, :, :tensor.shape[1]] = tensor
+                store[slot, :, length:self.written[slot]].zero_()
+                store[slot, :, :length] = tensor
+        self.written[slot] = length
 
     def allocate(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Cache:
         """The KV slots, shaped after one prompt's per-layer (keys, values): [kv heads, its
