@@ -422,10 +422,8 @@ class Engine(threading.Thread):
         return newcomers
 
     def release(self, seq: Sequence) -> None:
-        self.vacate(seq)
         self.running.remove(seq)
-        self.free.append(seq.slot)
-        self.free.sort()
+        self.vacate(seq)
 
     def step(self, newcomers: list[Sequence]) -> None:
         started = time.perf_counter()
@@ -481,8 +479,6 @@ class Engine(threading.Thread):
                                   for layer in self.cache.layers])
             self.free.remove(hole)
             self.vacate(last)
-            self.free.append(last.slot)
-            self.free.sort()
             last.slot = hole
             self.moves += 1
 
@@ -559,9 +555,11 @@ class Engine(threading.Thread):
         self.sample([seq], logits[None])
 
     def vacate(self, seq: Sequence) -> None:
-        """Note that `seq` leaves its slot: it wrote its KV there up to its length at most
-        (the decode writes a row's last token at `seq.length - 1`, nothing beyond)."""
+        """`seq`'s slot back among the free ones, noting how far `seq` wrote its KV there: up
+        to its length at most (the decode writes a row's last token at `seq.length - 1`)."""
         self.written[seq.slot] = max(self.written[seq.slot], seq.length)
+        self.free.append(seq.slot)
+        self.free.sort()
 
     def fill_slot(self, slot: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write one sequence's per-layer (keys, values), [kv heads, its length, head dim],
