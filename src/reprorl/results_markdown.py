@@ -135,8 +135,6 @@ def curves_markdown(curves: dict, score: str) -> list[str]:
 
 
 def record_markdown(record: dict) -> list[str]:
-    from .ppo import ITERATIONS  # here: ppo loads torch, which readme.py's imports do not need
-
     audit, gap = record["data_audit"], record["ppo_rescoring_gap"]
     sizes = record["checkpoint_bytes"]
     lines = ["", "## Training record", "",
@@ -149,7 +147,7 @@ def record_markdown(record: dict) -> list[str]:
               "contexts."), "",
              (f"PPO re-scoring gap (|re-scored - behaviour log-prob|, same weights): "
               f"{gap['before_first_update']:.3g} before the first update, at most "
-              f"{gap['max_over_iterations']:.3g} over the {ITERATIONS} iterations."), "",
+              f"{gap['max_over_iterations']:.3g} over the 100 iterations."), "",
              "Validation per epoch (never used for selection):", ""]
     lines += markdown_table([
         {"model": branch, "epoch": str(v["epoch"]), "loss": f"{v['loss']:.4f}",
