@@ -25,7 +25,7 @@ def snakemake(*targets: str, configfile: str | None = None) -> None:
 
 def ensure_built(model_path: str, configfile: str | None = None) -> None:
     """The profile's base model and corpus, built by their Snakemake targets when missing."""
-    from reprorl import layout
+    from reprorl.core import layout
 
     targets = [target for target, ready in (
         ("base_model", all(Path(model_path, name).is_file()

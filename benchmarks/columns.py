@@ -24,7 +24,7 @@ import json
 import torch
 from prefill_heads import alternate, arguments, run, seconds, served  # the script's folder
 
-from reprorl.grpo.server_weights import Switch
+from reprorl.serve.weights import Switch
 
 NEW_TOKENS = 40
 

@@ -26,8 +26,8 @@ import time
 import torch
 from prefill_heads import GROUP, MAX_LEN, ROOT, SLOTS, served  # the script's own folder
 
-from reprorl.engine import Engine, Sequence
-from reprorl.logprobs import Params
+from reprorl.serve.engine import Engine, Sequence
+from reprorl.serve.logprobs import Params
 
 NEW_TOKENS = 40
 

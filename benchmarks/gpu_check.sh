@@ -35,7 +35,7 @@ import sys
 
 import torch
 
-from reprorl import devices
+from reprorl.core import devices
 
 device = devices.prepare(sys.argv[1])  # refuses a missing or BF16-less GPU, with the fix
 name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
@@ -61,7 +61,7 @@ echo "gpu_check: CI profile on $device in $(( $(date +%s) - started )) s"
 import json
 from pathlib import Path
 
-from reprorl.evaluate import costs
+from reprorl.pipeline.evaluate import costs
 
 checks = sorted(Path("outputs/learning").glob("*/resume-check.json"))
 statuses = {path.parent.name: json.loads(path.read_text())["status"] for path in checks}

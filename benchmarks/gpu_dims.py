@@ -27,9 +27,11 @@ from pathlib import Path
 
 import torch
 
-from reprorl import config as configuration
-from reprorl import corpus, devices, layout, ppo, roles
-from reprorl.encoding import load_tokenizer
+from reprorl.core import config as configuration
+from reprorl.core import devices, layout
+from reprorl.model import roles
+from reprorl.model.encoding import load_tokenizer
+from reprorl.pipeline import corpus, ppo
 
 QWEN = configuration.load("configs/qwen2.5-0.5b.yaml")["model"]
 
@@ -94,7 +96,7 @@ def varied_reward(completion_ids, **kwargs) -> list[float]:
 
 def grpo_step(config: dict, device: torch.device, workdir: Path) -> dict:
     from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-    from reprorl.grpo_run import dataset
+    from reprorl.pipeline.grpo_run import dataset
 
     reset_peak(device)
     actor = roles.build("actor", config["model"])

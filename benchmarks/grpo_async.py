@@ -31,12 +31,14 @@ from pathlib import Path
 
 from _build import snakemake  # benchmarks/: the script's own folder
 
-from reprorl import config as configuration
-from reprorl import exports, layout, lora
-from reprorl.encoding import load_tokenizer
+from reprorl.core import config as configuration
+from reprorl.core import layout
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.metrics import metrics_file, read_windows
-from reprorl.grpo_run import LearnedReward, RubricVerifier, dataset, engine_settings
+from reprorl.model import lora
+from reprorl.model.encoding import load_tokenizer
+from reprorl.pipeline import exports
+from reprorl.pipeline.grpo_run import LearnedReward, RubricVerifier, dataset, engine_settings
 
 REPORTED = ("perf/rollout_wait_s", "rollout/backpressure_s", "rollout/queue_size",
             "sample/staleness_mean", "rollout/concurrency", "perf/fwd_bwd_s", "perf/step_s",

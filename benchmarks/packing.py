@@ -41,15 +41,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from reprorl import base_model, corpus, lora
-from reprorl import config as configuration
-from reprorl.encoding import chat_prompt
+from reprorl.core import config as configuration
 from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
-from reprorl.grpo.loss import group_advantages
-from reprorl.grpo.objective import microbatch_loss
+from reprorl.grpo.microbatch_loss import microbatch_loss
 from reprorl.grpo.policy import disable_dropout
 from reprorl.grpo.samples import Sample, TrainingSequence
+from reprorl.model import lora
+from reprorl.model.encoding import chat_prompt
+from reprorl.model.grpo_losses import group_advantages
+from reprorl.pipeline import base_model, corpus
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

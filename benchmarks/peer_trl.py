@@ -98,13 +98,14 @@ from pathlib import Path
 
 from grpo_async import ensure_sft  # benchmarks/: the script's own folder
 
-from reprorl import config as configuration
-from reprorl import exports, layout
-from reprorl.encoding import load_tokenizer
+from reprorl.core import config as configuration
+from reprorl.core import layout
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.metrics import metrics_file, read_windows
 from reprorl.grpo.rollout import epoch_order
-from reprorl.grpo_run import RubricVerifier, dataset, engine_settings
+from reprorl.model.encoding import load_tokenizer
+from reprorl.pipeline import exports
+from reprorl.pipeline.grpo_run import RubricVerifier, dataset, engine_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = 'pip install -e ".[bench]"'

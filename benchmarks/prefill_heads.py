@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from _build import ensure_built  # benchmarks/: the script's own folder
 
-from reprorl import config as configuration
-from reprorl.encoding import load_tokenizer
-from reprorl.engine import Adapter, Engine, Sequence
+from reprorl.core import config as configuration
 from reprorl.grpo.rollout import prompt_token_ids
-from reprorl.grpo.server_weights import install_switches
-from reprorl.grpo_run import dataset
-from reprorl.logprobs import Params
+from reprorl.model.encoding import load_tokenizer
+from reprorl.pipeline.grpo_run import dataset
+from reprorl.serve.engine import Adapter, Engine, Sequence
+from reprorl.serve.logprobs import Params
+from reprorl.serve.weights import install_switches
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, NEW_TOKENS, SLOTS, MAX_LEN, RANK = 48, 4, 20, 64, 512, 16

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from _build import ensure_built  # benchmarks/: the script's own folder
 
-from reprorl.sampling import sample, sample_many, sample_without_cache
+from reprorl.serve.sampling import sample, sample_many, sample_without_cache
 
 QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -96,7 +96,7 @@ def ppo_rollouts(roles: dict, prompts: list[list[int]], max_new_tokens: int, eos
                  pad_id: int, draws) -> list[tuple]:
     """PPO's: the engine samples the batch, then one teacher-forced pass each for reference
     and critic over the left-padded batch."""
-    from reprorl.encoding import Example, collate
+    from reprorl.model.encoding import Example, collate
 
     results = sample_many(roles["actor"].backbone, prompts, max_new_tokens, eos_id, MAX_LEN,
                           draws, rows=BATCH)
@@ -110,8 +110,10 @@ def ppo_rollouts(roles: dict, prompts: list[list[int]], max_new_tokens: int, eos
 
 
 def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
-    from reprorl import config, corpus, roles
-    from reprorl.encoding import load_tokenizer, prompt_ids
+    from reprorl.core import config
+    from reprorl.model import roles
+    from reprorl.model.encoding import load_tokenizer, prompt_ids
+    from reprorl.pipeline import corpus
 
     model = {**config.validate({})["model"], "path": path}  # the schema's defaults, on the CPU
     built = {kind: roles.build(kind, model) for kind in ("actor", "reference", "critic")}
@@ -146,8 +148,8 @@ def rollouts(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
 def default_model(path: str, count: int, seed: int, max_new_tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from reprorl import corpus
-    from reprorl.encoding import load_tokenizer, prompt_ids
+    from reprorl.model.encoding import load_tokenizer, prompt_ids
+    from reprorl.pipeline import corpus
 
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from _build import ensure_built  # benchmarks/: the script's own folder
 
-from reprorl import config as configuration
-from reprorl import corpus
+from reprorl.core import config as configuration
 from reprorl.grpo.metrics import metrics_file, read_windows
-from reprorl.grpo_run import engine_settings
+from reprorl.pipeline import corpus
+from reprorl.pipeline.grpo_run import engine_settings
 
 LENGTHS, WIDTHS = (16, 32, 64, 128), (128, 256, 512, 896)
 DEFAULT_WIDTH, DEFAULT_LENGTH, LAYERS = 256, 64, 6

@@ -51,8 +51,8 @@ NEW_TOKENS = 64
 def build_model(directory: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from reprorl import base_model
-    from reprorl import config as configuration
+    from reprorl.core import config as configuration
+    from reprorl.pipeline import base_model
 
     config = configuration.load(ROOT / "configs/default.yaml")
     size, settings = config["model"]["embedded"], config["model"]["pretrain"]
@@ -134,7 +134,7 @@ class VllmServed(Served):
              "--max-num-seqs", "64", "--dtype", "float32", "--seed", "0"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{port}"
-        from reprorl.grpo.client import ServerAdmin
+        from reprorl.serve.client import ServerAdmin
 
         ServerAdmin(self.url, 30).wait_ready(300, self.process, scratch / "server.log")
 

@@ -92,7 +92,7 @@ def warm_start(base: Path, output: Path, steps: int = 200, learning_rate: float 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from reprorl.objectives import sft_loss
+    from reprorl.model.losses import sft_loss
 
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
@@ -126,8 +126,8 @@ def warm_start(base: Path, output: Path, steps: int = 200, learning_rate: float 
 
 def embedded_base(directory: Path) -> Path:
     """The CI-size embedded base (configs/ci.yaml), built once into `directory`."""
-    from reprorl import base_model
-    from reprorl import config as configuration
+    from reprorl.core import config as configuration
+    from reprorl.pipeline import base_model
 
     if not (directory / "config.json").is_file():
         root = Path(__file__).resolve().parents[1]

@@ -1,18 +1,18 @@
-# Shared helpers: config validation, every path from reprorl.layout, and the params each rule
-# carries.
+# Shared helpers: config validation, every path from reprorl.core.layout, and the params each
+# rule carries.
 #
 # Snakemake re-runs a job when its params change (rerun trigger "params"). Each rule therefore
 # passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the
-# part of the configuration it reads: editing src/reprorl/base_model.py or model.* re-runs
-# base_model and its dependents only.
+# part of the configuration it reads: editing src/reprorl/pipeline/base_model.py or model.*
+# re-runs base_model and its dependents only.
 import json
 
-from reprorl import layout
-from reprorl.codehash import code_hash
-from reprorl.config import stage_config_json, validate
-from reprorl.errors import ConfigError
-from reprorl.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, gpus, threads
-from reprorl.stages import ranks as stage_ranks
+from reprorl.core import layout
+from reprorl.core.codehash import code_hash
+from reprorl.core.config import stage_config_json, validate
+from reprorl.core.errors import ConfigError
+from reprorl.core.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, gpus, threads
+from reprorl.core.stages import ranks as stage_ranks
 from snakemake.exceptions import WorkflowError
 
 # Snakemake parses --configfile itself (YAML .nan included): validate sees every value. A

@@ -1,7 +1,7 @@
-# Over-optimisation curves (reprorl.curves): the SFT actor, every curve's start, and each
-# snapshot a straight PPO or GRPO run kept answer the 180 validation prompts; the rubric is the
-# gold, the frozen reward model the proxy, the sampled log-ratio to SFT the distance. Measured,
-# never used to select or stop anything.
+# Over-optimisation curves (reprorl.pipeline.curves): the SFT actor, every curve's start, and
+# each snapshot a straight PPO or GRPO run kept answer the 180 validation prompts; the rubric is
+# the gold, the frozen reward model the proxy, the sampled log-ratio to SFT the distance.
+# Measured, never used to select or stop anything.
 
 
 rule sft_validation:

@@ -1,4 +1,4 @@
-# The seeds target (reprorl.seeds), not part of the default one:
+# The seeds target (reprorl.pipeline.seeds), not part of the default one:
 #   snakemake --cores all outputs/seeds/summary.json --config seeds=[49,50,51]
 # Each seed's results come from a nested Snakemake run of this workflow in outputs/seeds/<seed>/
 # (the corpus and base model copied from this run, every learning stage's seeds moved); the

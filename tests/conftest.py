@@ -81,8 +81,8 @@ def one_thread(threads):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The CI-size embedded base (2 layers, width 64), built once per test session."""
-    from reprorl import base_model
-    from reprorl import config as configuration
+    from reprorl.core import config as configuration
+    from reprorl.pipeline import base_model
 
     config = configuration.load(ROOT / "configs/ci.yaml")
     config["model"]["path"] = str(tmp_path_factory.mktemp("tiny") / "model")
@@ -91,7 +91,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def tiny_config(model_path: Path) -> dict:
-    from reprorl import config as configuration
+    from reprorl.core import config as configuration
 
     config = configuration.load(ROOT / "configs/ci.yaml")
     config["model"]["path"] = str(model_path)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.distributed import Setup, step_shares
 from reprorl.grpo.trainer import Step
+from reprorl.model import lora
 
 BUDGET, ROWS = 48, 1
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprorl import base_model
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.agents import (
     EnvironmentPool,
@@ -29,6 +28,7 @@ from reprorl.grpo.agents import (
 )
 from reprorl.grpo.rollout import AsyncRolloutLoop
 from reprorl.grpo.samples import TurnRecord, reconcile_turns
+from reprorl.pipeline import base_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the spawned worker inherits sys.path

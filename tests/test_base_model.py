@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprorl import base_model
-from reprorl import config as configuration
-from reprorl.base_model import IM_END, IM_START, PAD, ModelDirectoryError
-from reprorl.encoding import chat_prompt
-from reprorl.errors import ReproError
-from reprorl.manifest import files_under, sha256_file
+from reprorl.core import config as configuration
+from reprorl.core.errors import ReproError
+from reprorl.core.manifest import files_under, sha256_file
+from reprorl.model.encoding import chat_prompt
+from reprorl.pipeline import base_model
+from reprorl.pipeline.base_model import IM_END, IM_START, PAD, ModelDirectoryError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -250,7 +250,7 @@ def test_qwen_roles_keep_the_seed_parameter_contract(qwen_shaped):
     """At the real dimensions: 4,399,104 FP32 adapter parameters per role, an FP32 head of 897
     on the reward model, BF16 base weights, the seed's eager attention; a role on a base of
     the wrong dtype is refused when it is built."""
-    from reprorl import roles
+    from reprorl.model import roles
 
     config = qwen_config(qwen_shaped)
     reward = roles.build("reward", config["model"])

@@ -8,8 +8,8 @@ import pytest
 import yaml
 from conftest import copy_workflow, snakemake
 
-from reprorl import config as configuration
-from reprorl.config import ConfigError
+from reprorl.core import config as configuration
+from reprorl.core.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

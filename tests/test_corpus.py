@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from reprorl import corpus
-from reprorl.manifest import PreservedArtifactError, ReproError, read_json, sha256_file
-from reprorl.rubric import evaluate_response
+from reprorl.core.manifest import PreservedArtifactError, ReproError, read_json, sha256_file
+from reprorl.pipeline import corpus
+from reprorl.pipeline.rubric import evaluate_response
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import CRASH_REPORT, copy_workflow
 
-from reprorl.manifest import read_json, sha256_file, sha256_json
-from reprorl.stages import EXPORTS, MODES
+from reprorl.core.manifest import read_json, sha256_file, sha256_json
+from reprorl.core.stages import EXPORTS, MODES
 
 pytestmark = pytest.mark.e2e
 CI = ["--configfile", "configs/ci.yaml"]

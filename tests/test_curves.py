@@ -2,10 +2,11 @@
 
 import pytest
 
-from reprorl import config as configuration
-from reprorl import layout, seeds, snapshots
-from reprorl.manifest import read_json, write_json
-from reprorl.stages import POLICIES
+from reprorl.core import config as configuration
+from reprorl.core import layout
+from reprorl.core.manifest import read_json, write_json
+from reprorl.core.stages import POLICIES
+from reprorl.pipeline import seeds, snapshots
 
 
 def test_snapshot_points_are_the_quarters_and_the_end():

@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-from reprorl import config as configuration
-from reprorl import devices, stages
-from reprorl.encoding import Example, collate
-from reprorl.errors import ConfigError, ReproError
-from reprorl.manifest import gpu_memory
-from reprorl.state import restore_rng, rng_state
+from reprorl.core import config as configuration
+from reprorl.core import devices, stages
+from reprorl.core.errors import ConfigError, ReproError
+from reprorl.core.manifest import gpu_memory
+from reprorl.core.state import restore_rng, rng_state
+from reprorl.model.encoding import Example, collate
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 

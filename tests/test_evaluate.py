@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from reprorl import evaluate, generate, results_markdown, uncertainty
-from reprorl.corpus import HeldOutError
-from reprorl.manifest import ReproError, write_json
+from reprorl.core.manifest import ReproError, write_json
+from reprorl.pipeline import evaluate, generate, results_markdown, uncertainty
+from reprorl.pipeline.corpus import HeldOutError
 
 
 def row(success, recognized, unsupported=None, refusal=False, cut=False, tokens=5, score=1.0):

@@ -1,5 +1,5 @@
 """The async GRPO engine end to end, with real processes: the trainer (this process), the
-spawned rollout worker and the embedded generation server (`python -m reprorl.grpo.server`).
+spawned rollout worker and the embedded generation server (`python -m reprorl.serve.server`).
 
 Nothing stands in for the server or the worker. Reward functions, rollout-loop and config
 subclasses are defined at module level because the worker is a spawned process that imports
@@ -26,10 +26,10 @@ import pytest
 import requests
 import torch
 
-from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
-from reprorl.grpo.rollout import epoch_order
 from reprorl.grpo.metrics import reproducible
+from reprorl.grpo.rollout import epoch_order
+from reprorl.model import lora
 
 # Two rows of 100 tokens: a group (46 prompt tokens, 4 completions of 8 at most) fills most of
 # a row, so a free-running step trains two groups or a few more; a fixed one, two groups.
@@ -202,7 +202,7 @@ def start_server(model: Path, directory: Path, *flags: str):
     port_file, log_path = directory / "port", directory / "server.log"
     log = log_path.open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "reprorl.grpo.server", "--model", str(model), "--port", "0",
+        [sys.executable, "-m", "reprorl.serve.server", "--model", str(model), "--port", "0",
          "--port-file", str(port_file), "--max-model-len", "128", *flags],
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60

@@ -11,7 +11,7 @@ import yaml
 
 import reprorl
 from reprorl.grpo import AsyncGRPOConfig
-from reprorl.grpo_run import PIPELINE_KEYS
+from reprorl.pipeline.grpo_run import PIPELINE_KEYS
 
 SCHEMA = Path(reprorl.__file__).parent / "schemas" / "config.schema.yaml"
 

@@ -9,7 +9,11 @@ import torch
 
 from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
-from reprorl.grpo.loss import (
+from reprorl.grpo.metrics import MetricsWindow, rule
+from reprorl.grpo.rollout import has_room, request_seed
+from reprorl.grpo.sample_queue import is_stale
+from reprorl.grpo.samples import Sample, TrainingSequence, TurnRecord, reconcile_turns
+from reprorl.model.grpo_losses import (
     centered_score_loss,
     clip_fractions,
     clipped_surrogate_loss,
@@ -18,10 +22,6 @@ from reprorl.grpo.loss import (
     importance_weights,
     token_mean,
 )
-from reprorl.grpo.metrics import MetricsWindow, rule
-from reprorl.grpo.rollout import has_room, request_seed
-from reprorl.grpo.sample_queue import is_stale
-from reprorl.grpo.samples import Sample, TrainingSequence, TurnRecord, reconcile_turns
 
 
 def test_advantages_standardise_within_the_group():

@@ -22,12 +22,12 @@ import random
 import pytest
 import torch
 
-from reprorl import lora
 from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate, record_rows
 from reprorl.grpo.metrics import MetricsWindow
-from reprorl.grpo.objective import kept_logits, microbatch_loss
+from reprorl.grpo.microbatch_loss import kept_logits, microbatch_loss
 from reprorl.grpo.samples import Sample, TrainingSequence
+from reprorl.model import lora
 
 VOCAB = 97
 LOGP_ATOL = 1e-5  # absolute, on per-token log-probs (see the module's docstring)

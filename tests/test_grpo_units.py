@@ -28,7 +28,7 @@ from reprorl.grpo.metrics import MetricsWindow
 from reprorl.grpo.processes import WorkerHandle, WorkerSignals
 from reprorl.grpo.sample_queue import SampleQueue
 from reprorl.grpo.samples import GroupResult, Sample, TrainingSequence
-from reprorl.grpo.weights import AdapterVersions
+from reprorl.grpo.weight_sync import AdapterVersions
 
 # ---------------------------------------------------------------- the ledger
 
@@ -539,7 +539,7 @@ def test_load_failures_say_what_to_fix_from_vllms_recorded_answers():
 
     import vllm_responses
 
-    from reprorl.grpo.client import load_failure
+    from reprorl.serve.client import load_failure
 
     recorded = json.loads(vllm_responses.RECORDED.read_text())
 
@@ -557,8 +557,8 @@ def test_load_failures_say_what_to_fix_from_vllms_recorded_answers():
 
 
 def test_server_limits_read_from_metrics_refuse_what_cannot_hold_the_run():
-    from reprorl.grpo.client import parse_prometheus
-    from reprorl.grpo.weights import refuse_unfit_server
+    from reprorl.grpo.weight_sync import refuse_unfit_server
+    from reprorl.serve.client import parse_prometheus
 
     one = ('vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",'

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reprorl.manifest import (
+from reprorl.core.manifest import (
     AuditError,
     StageRun,
     atomic_directory,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from reprorl import objectives
+from reprorl.model import losses as objectives
 
 
 def test_gae_on_a_hand_computed_three_step_episode():

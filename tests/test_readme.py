@@ -9,9 +9,10 @@ from test_evaluate import (  # the tests folder is on sys.path
     row,
 )
 
-from reprorl import cli, evaluate, readme, uncertainty
-from reprorl.manifest import write_json
-from reprorl.stages import EXPORTS
+from reprorl import cli
+from reprorl.core.manifest import write_json
+from reprorl.core.stages import EXPORTS
+from reprorl.pipeline import evaluate, readme, uncertainty
 
 README = ("# title\n\ntyped prose stays\n\n" + readme.BEGIN + "\nold table\n" + readme.END
           + "\n\nmore typed prose\n")

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from reprorl import roles
-from reprorl.encoding import Batch, Example, collate, collate_pairs, example, load_tokenizer
-from reprorl.manifest import ReproError
+from reprorl.core.manifest import ReproError
+from reprorl.model import roles
+from reprorl.model.encoding import Batch, Example, collate, collate_pairs, example, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_generation_scores_each_distinct_answer_once_as_if_alone(four, encode):
     """`generate.score_distinct` (the held-out rows' reference log-probs and learned scores):
     batched by 8 with left padding, each equals scoring the response alone up to float
     rounding (other reduction lengths); a repeated (prompt, response) is one entry."""
-    from reprorl.generate import score_distinct
+    from reprorl.pipeline.generate import score_distinct
 
     prompts = [f"Situation {i}: " + "the screen flickers. " * (i % 4) for i in range(11)]
     examples = [encode(p, "Next step: " + "check the cable. " * (1 + i % 3))

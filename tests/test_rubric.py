@@ -2,7 +2,7 @@
 
 import pytest
 
-from reprorl.rubric import (
+from reprorl.pipeline.rubric import (
     ACTIONS,
     CLOSERS,
     GESTURES,

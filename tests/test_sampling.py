@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from reprorl.errors import ReproError
-from reprorl.sampling import sample, sample_many
+from reprorl.core.errors import ReproError
+from reprorl.serve.sampling import sample, sample_many
 
 # prompts of 3 to 150 tokens in slots of 256: one decode group mixes attention windows of 64
 # to 192 positions, which must not change any row's bits either
@@ -28,7 +28,7 @@ def tiny_qwen(seed: int, heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
 
 def random_adapter(name: str, rank: int, switches: dict, generator: torch.Generator):
     """An adapter of `rank` on every switch, random A and B (x 0.3), alpha / r 2."""
-    from reprorl.engine import Adapter
+    from reprorl.serve.engine import Adapter
 
     return Adapter(name, "", {key: (0.3 * torch.randn(rank, s.base.in_features,
                                                       generator=generator),
@@ -74,8 +74,8 @@ def test_a_prompt_samples_the_same_bits_alone_and_among_any_others(model, greedy
 def test_a_group_sharing_a_prompt_reuses_one_prefill_with_the_same_bits(model):
     """Samples of one prompt (a GRPO group) prefill it once and draw the bits each draws
     alone, where nothing is reused; more prompts than the prefix cache holds still replay."""
-    from reprorl.engine import PREFIX_CACHE_PROMPTS, Engine, Sequence
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import PREFIX_CACHE_PROMPTS, Engine, Sequence
+    from reprorl.serve.logprobs import Params
 
     pool = prompts(PREFIX_CACHE_PROMPTS + 4, 7)
     seeds = [[10 * i + k for k in range(4)] for i in range(len(pool))]
@@ -100,8 +100,8 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
     half-empty groups remain and nobody waits: the engine moves the two highest into the
     first group's holes (KV and all), then decodes one group a step, not two, and every
     sequence still draws the bits it draws alone."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
 
     pool = prompts(8, 13)
     limits = [2, 24] * 4
@@ -136,9 +136,9 @@ def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_t
     1 to 24 tokens, draw the bits each draws alone (one 16-row forward a step); the forwards
     hold 16 to 32 rows, and sequences left above holes move down. Where the probe fails,
     or with two threads, the engine decodes by groups of 16."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.invariance import rows_invariant
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.invariance import rows_invariant
+    from reprorl.serve.logprobs import Params
 
     pool = prompts(40, 17)
     limits = [1 + (7 * i) % 24 for i in range(len(pool))]
@@ -177,10 +177,10 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, head
     attended length a run reaches, with adapters of rank 8 (stacked where `stacks_rank`
     finds it keeps the bits), rank 1 (alone on this project's CPUs) and none beside each
     other. A model with a hook where the written-out step would skip it is not supported."""
-    from reprorl import decode_step
-    from reprorl.engine import Engine, Sequence
-    from reprorl.grpo.server_weights import install_switches
-    from reprorl.logprobs import Params
+    from reprorl.serve import decode_step
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
+    from reprorl.serve.weights import install_switches
 
     model = tiny_qwen(3, heads, kv_heads)
     config = model.config
@@ -230,9 +230,9 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
     whether the adapters run stacked (one thread) or each on its own (two threads)."""
     from torch import nn
 
-    from reprorl.engine import Adapter, Engine
-    from reprorl.grpo.server_weights import Switch
-    from reprorl.lora import with_adapter
+    from reprorl.model.lora import with_adapter
+    from reprorl.serve.engine import Adapter, Engine
+    from reprorl.serve.weights import Switch
 
     base = nn.Linear(64, 32)
     switches = {"proj": Switch(base)}
@@ -265,8 +265,8 @@ def test_a_switch_reads_a_column_major_copy_only_where_it_gives_the_layers_bits(
     again when the weight changes in place (a full-weight reload)."""
     from torch import nn
 
-    from reprorl import invariance
-    from reprorl.grpo.server_weights import Switch
+    from reprorl.serve import invariance
+    from reprorl.serve.weights import Switch
 
     monkeypatch.setattr(invariance, "AGREEMENT", {})  # this test's probes only
     generator = torch.Generator().manual_seed(5)
@@ -306,10 +306,10 @@ def test_a_warmed_up_engine_probes_only_its_prompts_lengths_and_keeps_the_bits(
     every projection shape, and the engine's own probes; afterwards, sampling 40 sequences of
     an adapter over 32 slots adds no probe but `linear`'s at each new prompt length, and draws
     the bits a cold engine draws."""
-    from reprorl import invariance
-    from reprorl.engine import Engine, Sequence
-    from reprorl.grpo.server_weights import install_switches
-    from reprorl.logprobs import Params
+    from reprorl.serve import invariance
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
+    from reprorl.serve.weights import install_switches
 
     model = tiny_qwen(2)
     switches = install_switches(model)
@@ -356,9 +356,9 @@ def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(o
     project's CPUs a `bmm` of rank 1 gives other bits with one item than with two, so a rank
     whose batched products change with the stack (`rows_invariant` at that rank) runs each
     adapter on its own."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.grpo.server_weights import install_switches
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
+    from reprorl.serve.weights import install_switches
 
     model = tiny_qwen(1)
     switches = install_switches(model)
@@ -392,8 +392,8 @@ def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
     (`Engine.draw`): each row's log-probs, token, top log-probs and rank are bitwise what the
     row alone gives, and `race` draws the token `torch.multinomial` draws with the same
     generator state. Rows with ties, -inf and a wide range of scales."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.logprobs import Params, processed_logprobs, race
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params, processed_logprobs, race
 
     generator = torch.Generator().manual_seed(11)
     logits = torch.randn(24, 1024, generator=generator) * torch.logspace(-1, 1.5, 24)[:, None]
@@ -428,8 +428,8 @@ def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
     """`Engine.sample` over rows that each differ from temperature 1 with 3 log-probs in one
     setting (so only the grouping keeps them apart), the row without log-probs first: each
     sequence gets what it gets alone, and each row reads its own settings."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
     base = {"max_tokens": 8, "temperature": 1.0, "logprobs": 3}
@@ -455,8 +455,8 @@ def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
 
 
 def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
-    from reprorl.engine import Engine, Sequence
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
     params = Params(max_tokens=8, temperature=1.0, logprobs=0)
@@ -475,8 +475,8 @@ def test_a_slot_taken_again_holds_zeros_past_its_new_occupant(model):
     ones into the same slots. After every fill, each layer's keys and values past the new
     occupant are zeros, as a whole-slot zeroing leaves them (a stale Inf there would meet a
     masked weight 0: NaN), and so is every slot past its `written` mark after each run."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.logprobs import Params
 
     engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
     fill_slot, fills = engine.fill_slot, []
@@ -516,9 +516,9 @@ def test_a_prompt_sharing_a_head_forwards_only_its_rest_with_the_same_bits(model
     only what follows the whole 32-token blocks of the longest head it shares, so long as
     16 tokens or more remain and both prompts hold under 192; and draws the bits it draws
     alone, where nothing is reused. With two threads each forwards whole."""
-    from reprorl.engine import Engine, Sequence
-    from reprorl.invariance import heads_invariant, rows_invariant
-    from reprorl.logprobs import Params
+    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.invariance import heads_invariant, rows_invariant
+    from reprorl.serve.logprobs import Params
 
     rng = random.Random(23)
     system = [rng.randrange(20, 64) for _ in range(40)]  # tails start below 20: a clean fork
@@ -575,7 +575,7 @@ def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(mo
     the first's store, prefills nothing and draws the bits it draws without the store."""
     from collections import OrderedDict
 
-    from reprorl.engine import PREFIX_CACHE_PROMPTS
+    from reprorl.serve.engine import PREFIX_CACHE_PROMPTS
 
     pool = prompts(PREFIX_CACHE_PROMPTS + 4, 11)
     seeds = list(range(len(pool)))

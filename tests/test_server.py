@@ -217,7 +217,7 @@ def adapter_model(tiny_model, directory, rank, seed):
     """A copy of the base with a non-zero LoRA of `rank`, exported in PEFT's format."""
     from transformers import AutoModelForCausalLM
 
-    from reprorl import lora
+    from reprorl.model import lora
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
                                                  dtype=torch.float32).eval()
@@ -684,7 +684,7 @@ def test_health_is_503_and_requests_refused_when_the_engine_is_dead(tiny_model, 
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from reprorl.grpo import server as embedded
+    from reprorl.serve import server as embedded
 
     model, tokenizer = reference
     args = embedded.arguments(["--model", str(tiny_model), "--max-model-len", str(MAX_LEN)])
@@ -709,8 +709,8 @@ def test_a_fault_in_one_sequence_fails_only_its_request(tiny_model, reference):
     from aiohttp.test_utils import TestClient, TestServer
     from transformers import AutoModelForCausalLM
 
-    from reprorl.grpo import server as embedded
-    from reprorl.invariance import cache_argument
+    from reprorl.serve import server as embedded
+    from reprorl.serve.invariance import cache_argument
 
     _, tokenizer = reference
     raising, poisoning = 7, 9  # prompt token ids that trigger the two faults

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from conftest import copy_workflow, snakemake
 
-from reprorl.manifest import read_json, sha256_file
+from reprorl.core.manifest import read_json, sha256_file
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(3600)]
 

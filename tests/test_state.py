@@ -9,8 +9,8 @@ import pickle
 import pytest
 import torch
 
-from reprorl.errors import ReproError
-from reprorl.state import first_difference, load_state, save_state
+from reprorl.core.errors import ReproError
+from reprorl.core.state import first_difference, load_state, save_state
 
 
 def _state() -> dict:

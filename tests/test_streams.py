@@ -7,11 +7,10 @@ import itertools
 from pathlib import Path
 
 import pytest
+from test_grpo import BASE, checkpoint_bytes, read_metrics, token_sum_reward
 
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.rows import StreamRows, as_rows
-
-from test_grpo import BASE, checkpoint_bytes, read_metrics, token_sum_reward
 
 
 class EndlessPrompts:

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from test_grpo import BASE, make_rows, read_metrics, start_server, token_sum_reward
 
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
-from reprorl.grpo.objective import microbatch_loss
+from reprorl.grpo.microbatch_loss import microbatch_loss
 from reprorl.grpo.samples import Sample, TrainingSequence
-from reprorl.logprobs import Params, processed_logprobs
-
-from test_grpo import BASE, make_rows, read_metrics, start_server, token_sum_reward
+from reprorl.serve.logprobs import Params, processed_logprobs
 
 TRUNCATION = {"top_k": 8, "top_p": 0.8, "min_p": 0.02}
 

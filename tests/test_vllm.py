@@ -35,7 +35,7 @@ from test_grpo import (
 from test_server import adapter_model
 
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
-from reprorl.grpo.client import ServerAdmin
+from reprorl.serve.client import ServerAdmin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -63,8 +63,8 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from reprorl import base_model
-    from reprorl import config as configuration
+    from reprorl.core import config as configuration
+    from reprorl.pipeline import base_model
 
     config = configuration.load(Path(__file__).parents[1] / "configs/ci.yaml")
     config["model"]["path"] = str(tmp_path_factory.mktemp("head32") / "model")
@@ -301,8 +301,8 @@ def test_full_model_training_syncs_merged_weights_to_vllm(dev_server, untied_mod
     both sides; at its end the run puts the server's starting weights back."""
     from transformers import AutoModelForCausalLM
 
-    from reprorl.grpo.objective import sequence_logprobs
-    from reprorl.grpo.weights import SyncCheck
+    from reprorl.grpo.microbatch_loss import sequence_logprobs
+    from reprorl.grpo.weight_sync import SyncCheck
 
     trainer = AsyncGRPOTrainer(model=str(untied_model), reward_funcs=token_sum_reward,
                                args=args_for(dev_server, tmp_path / "out", use_peft=False),

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import ROOT
 
-from reprorl import config as configuration
-from reprorl import corpus, exports, resumable, warmstart
-from reprorl.errors import ReproError
-from reprorl.manifest import read_json
-from reprorl.state import load_state, save_state
+from reprorl.core import config as configuration
+from reprorl.core.errors import ReproError
+from reprorl.core.manifest import read_json
+from reprorl.core.state import load_state, save_state
+from reprorl.pipeline import corpus, exports, resumable, warmstart
 
 
 class _Run:

@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import copy_workflow, reprorl, snakemake
 
-from reprorl import config as configuration
-from reprorl.layout import FIGURES
-from reprorl.manifest import read_json, sha256_file, write_json
-from reprorl.stages import STAGES
+from reprorl.core import config as configuration
+from reprorl.core.layout import FIGURES
+from reprorl.core.manifest import read_json, sha256_file, write_json
+from reprorl.core.stages import STAGES
 
 pytestmark = pytest.mark.e2e
 MODES = ("interrupt", "continuous", "resume", "resume_check")
@@ -99,7 +99,7 @@ def test_manifests_record_what_each_stage_read_and_its_rule_declares(workflow):
 def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
     import torch
 
-    from reprorl import objectives
+    from reprorl.model import losses as objectives
 
     report = read_json(workflow / "outputs/learning/ppo/continuous.json")
     assert report["iterations"] == 100 and report["updates_per_optimizer"] == 200
@@ -126,7 +126,7 @@ def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
 
 
 def test_results_fit_their_schema_and_invariants(workflow):
-    from reprorl.evaluate import validate_results
+    from reprorl.pipeline.evaluate import validate_results
 
     results = read_json(workflow / "outputs/results.json")
     validate_results(results)
@@ -250,19 +250,19 @@ def test_audit_target_passes(workflow):
     "module, expected",
     [
         # the objectives of SFT, the reward model and PPO: everything they start
-        ("objectives.py", WARMSTART | PPO | GRPO | JUDGING),
-        ("ppo.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
-        ("report.py", {"report"}),
-        ("evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
-        # the measurement only: the snapshots it reads come from snapshots.py
-        ("curves.py", {"sft_validation", "curve_ppo", "curve_grpo_verifier",
+        ("model/losses.py", WARMSTART | PPO | GRPO | JUDGING),
+        ("pipeline/ppo.py", PPO | JUDGING - {"generate_sft", "reward_test"}),
+        ("pipeline/report.py", {"report"}),
+        ("pipeline/evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
+        # the measurement only: the snapshots it reads come from pipeline/snapshots.py
+        ("pipeline/curves.py", {"sft_validation", "curve_ppo", "curve_grpo_verifier",
                        "curve_grpo_learned", "evaluate", "report"}),
         # PPO and GRPO start from the warm start
-        ("warmstart.py", WARMSTART | PPO | GRPO | JUDGING),
-        ("base_model.py", {"base_model"} | WARMSTART | PPO | GRPO | JUDGING),
-        ("rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO | GRPO
+        ("pipeline/warmstart.py", WARMSTART | PPO | GRPO | JUDGING),
+        ("pipeline/base_model.py", {"base_model"} | WARMSTART | PPO | GRPO | JUDGING),
+        ("pipeline/rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO | GRPO
          | JUDGING),
-        ("grpo/loss.py", GRPO | {"evaluate", "exercise", "report"}),
+        ("model/grpo_losses.py", GRPO | {"evaluate", "exercise", "report"}),
         ("cli.py", set()),
     ],
 )
@@ -486,7 +486,8 @@ BAD_INPUTS = {
         ["sft_resume", "--config-json", "CI_SFT_LR_X2"],
         "cannot be resumed by this run (identity['config']['sft']['learning_rate']"),
     "resume state from other code": (
-        [("edit", "src/reprorl/warmstart.py"), ("aside", "assets/checkpoints/sft-resume.pt.gz")],
+        [("edit", "src/reprorl/pipeline/warmstart.py"),
+         ("aside", "assets/checkpoints/sft-resume.pt.gz")],
         ["sft_resume", "--config", "configs/ci.yaml"],
         "cannot be resumed by this run (identity['code_sha256']"),
     "overwrite a preserved checkpoint": ([], ["sft_interrupt", "--config", "configs/ci.yaml"],

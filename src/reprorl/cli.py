@@ -12,12 +12,12 @@ import json
 import os
 import sys
 
-from . import config as configuration
-from . import devices, layout, stages
-from .codehash import code_hash
-from .errors import ReproError
-from .manifest import StageRun, audit_manifests
-from .stages import STAGES
+from reprorl.core import config as configuration
+from reprorl.core import devices, layout, stages
+from reprorl.core.codehash import code_hash
+from reprorl.core.errors import ReproError
+from reprorl.core.manifest import StageRun, audit_manifests
+from reprorl.core.stages import STAGES
 
 
 def _log(message: str) -> None:
@@ -80,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # its own flags (vLLM's names), parsed by the server
-        from .grpo.server import main as serve
+        from reprorl.serve.server import main as serve
 
         return serve(argv[1:])
     args = parser().parse_args(argv)
@@ -88,16 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "audit":
             result = audit_manifests(args.manifests)
         elif args.command == "costs":
-            from .evaluate import costs
+            from reprorl.pipeline.evaluate import costs
 
             result = costs(args.manifests)
         elif args.command == "seed-run":
-            from . import seeds
+            from reprorl.pipeline import seeds
 
             config = configuration.load_json(args.config_json)
             return seeds.run(args.seed, config, args.cores, args.dry_run)
         elif args.command == "readme-results":
-            from . import readme
+            from reprorl.pipeline import readme
 
             result = readme.main(args.results, args.readme, args.manifests, args.commit)
         else:

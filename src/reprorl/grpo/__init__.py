@@ -1,4 +1,4 @@
-"""Asynchronous GRPO: trainer, rollout worker, generation server.
+"""Asynchronous GRPO, the trainer library: trainer, rollout worker, queue, batching and packing.
 
     from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..encoding import OnDevice
+from reprorl.model.encoding import OnDevice
+
 from .metrics import MetricsWindow
 from .packing import Row, attention_pairs, lay_out
 

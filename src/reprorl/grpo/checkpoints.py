@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
-from .. import devices, lora
-from ..layout import numbered
-from ..manifest import atomic_directory, atomic_write_bytes, read_json, write_json
+from reprorl.core import devices
+from reprorl.core.layout import numbered
+from reprorl.core.manifest import atomic_directory, atomic_write_bytes, read_json, write_json
+from reprorl.model import lora
+
 from .ledger import PositionLedger
 from .policy import load_full_into
-from .weights import version_folder
+from .weight_sync import version_folder
 
 PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.pt"

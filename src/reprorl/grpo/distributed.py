@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from .. import devices
+from reprorl.core import devices
 
 
 @dataclass

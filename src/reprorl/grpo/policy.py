@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from .. import lora
-from ..engine import ApiError
-from ..manifest import atomic_directory
+from reprorl.core.manifest import atomic_directory
+from reprorl.model import lora
+from reprorl.serve.engine import ApiError
+from reprorl.serve.weights import copy_weights, read_weights, weight_targets
+
 from .config import AsyncGRPOConfig
-from .server_weights import copy_weights, read_weights, weight_targets
 
 
 def disable_dropout(model) -> None:

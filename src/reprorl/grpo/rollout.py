@@ -42,6 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from reprorl.model.grpo_losses import group_advantages, group_is_dropped
+from reprorl.serve.client import CompletionClient, ServerRequestError
+
 from .agents import (
     EnvironmentPool,
     assistant_message,
@@ -53,8 +56,6 @@ from .agents import (
     run_in_pool,
     tool_name,
 )
-from .client import CompletionClient, ServerRequestError
-from .loss import group_advantages, group_is_dropped
 from .processes import die_with_parent
 from .rows import epoch_length, epoch_order, map_positions  # noqa: F401 (epoch_order: hooks')
 from .samples import (
@@ -66,7 +67,7 @@ from .samples import (
     TurnRecord,
     reconcile_turns,
 )
-from .weights import served_name
+from .weight_sync import served_name
 
 _MODEL = contextvars.ContextVar("served_model_name")  # the adapter a group started under
 _ROLLOUT = contextvars.ContextVar("rollout")  # [rollout key, requests so far]: request seeds

@@ -50,9 +50,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import devices, lora
+from reprorl.core import devices
+from reprorl.model import lora
+from reprorl.serve import (
+    server as embedded_server,  # started by module name; imported for the code hash
+)
+from reprorl.serve.client import ServerAdmin
+
 from . import checkpoints
-from . import server as embedded_server  # started by module name; imported for the code hash
 from .agents import (
     check_prefix_preserving,
     check_tools,
@@ -61,7 +66,6 @@ from .agents import (
     tool_name,
 )
 from .batching import MicroBatch, TokenBudgetBatcher, record_rows
-from .client import ServerAdmin
 from .config import AsyncGRPOConfig
 from .distributed import (
     Abort,
@@ -76,20 +80,14 @@ from .distributed import (
 from .identity import refuse_other_run, run_identity
 from .ledger import PositionLedger
 from .metrics import MetricsLog, MetricsWindow, console_line, metrics_file
-from .objective import microbatch_loss, sequence_logprobs
+from .microbatch_loss import microbatch_loss, sequence_logprobs
 from .policy import load_policy, make_trainable, save_full, training_mode
 from .processes import ServerProcess, WorkerHandle, WorkerSignals
-from .rollout import (
-    AsyncRolloutLoop,
-    drain,
-    prompt_token_ids,
-    reward_name,
-    run_rollout_loop,
-)
+from .rollout import AsyncRolloutLoop, drain, prompt_token_ids, reward_name, run_rollout_loop
 from .rows import STREAM_STALL_POSITIONS, as_rows, epoch_length, first_row
 from .sample_queue import SampleQueue, StalledRun
 from .samples import Sample
-from .weights import (
+from .weight_sync import (
     AdapterVersions,
     MergedVersions,
     SyncCheck,
@@ -819,7 +817,7 @@ class AsyncGRPOTrainer:
                 self.log(f"  [{s.reward:+.3f}] {s.completion_text!r}")
 
     def _progress_bar(self):
-        from ..progress import progress
+        from reprorl.core.progress import progress
 
         run, by_steps = self.run, self.args.max_steps > 0
         bar = progress(self.args.max_steps if by_steps else run.ledger.end, "grpo",

@@ -1,0 +1,189 @@
+"""`reprorl readme-results`: the README's results block, generated from a run's outputs.
+
+The README publishes what a run wrote, never typed figures: the block between `BEGIN` and `END`
+is rebuilt from `outputs/results.json` (checked against its schema first) and the run's stage
+manifests (when the run started and ended, on which CPU), plus the commit it ran. Nothing else
+in the README changes, and the file is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import datetime
+import subprocess
+import textwrap
+from pathlib import Path
+
+from reprorl.core.errors import ReproError
+from reprorl.core.manifest import atomic_write_text, read_json
+from reprorl.core.stages import EXPORTS, GRPO_RUNS, POLICIES
+
+from .results_markdown import interval_points, percent
+
+BEGIN = "<!-- results:begin -->"
+END = "<!-- results:end -->"
+COMMAND = "python -m reprorl readme-results"
+LABELS = {
+    "sft": "SFT",
+    "ppo": "PPO (learned reward, sampled log-ratio penalty to SFT)",
+    "grpo_verifier": "async GRPO, rubric verifier (train families)",
+    "grpo_learned": "async GRPO, learned reward",
+}
+WIDTH = 96  # the README's prose lines stay under 100 characters
+
+
+def _versus_sft(difference: dict | None) -> str:
+    if difference is None:
+        return "(baseline)"
+    d = difference["rubric_success_rate"]
+    noise = ", within noise" if d["within_noise"] else ""
+    return f"{100 * d['difference']:+.1f} points{interval_points(d['interval_95'])}{noise}"
+
+
+def load_results(path: Path) -> dict:
+    from .evaluate import validate_results
+
+    if not path.is_file():
+        raise ReproError(f"{path} is missing: run `snakemake --cores all` (or its "
+                         "outputs/results.json target) first")
+    results = read_json(path)
+    try:
+        validate_results(results)
+    except ReproError as error:
+        raise ReproError(f"{path} is not a results file of this version ({error}): rebuild it "
+                         "with `snakemake --cores all outputs/results.json`") from None
+    return results
+
+
+def run_facts(manifests: Path, skip: tuple[str, ...] = ()) -> dict:
+    """When the run's stages started and ended, and the CPU they ran on (where recorded);
+    the stages in `skip` left out."""
+    spans, cpus, cores = [], set(), set()
+    for path in sorted(p for p in manifests.glob("*.json") if p.stem not in skip):
+        content = read_json(path)
+        run = content["run"]
+        start = datetime.datetime.strptime(run["started_at"], "%Y-%m-%dT%H:%M:%S%z")
+        spans.append((start, start + datetime.timedelta(seconds=run["wall_seconds"])))
+        cpu = content.get("hashed", {}).get("cpu")
+        if cpu:  # manifests older than the CPU record have none
+            cpus.add(f"{cpu['model_name']}, torch {cpu['torch_capability']}")
+        if "cpus" in run:
+            cores.add(run["cpus"])
+    if not spans:
+        return {}
+    first, last = min(s for s, _ in spans), max(e for _, e in spans)
+    return {"stages": len(spans), "seconds": (last - first).total_seconds(),
+            "date": last.date().isoformat(), "cpus": sorted(cpus), "cores": sorted(cores)}
+
+
+def commit_of(results: Path, readme: Path) -> str:
+    """The commit of the checkout holding the run's `results`, marked when tracked files other
+    than the README (which this tool rewrites) differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(results.resolve().parent), *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        top = Path(git("rev-parse", "--show-toplevel"))
+        spare = readme.resolve()
+        spare = [f":(top,exclude){spare.relative_to(top)}"] if spare.is_relative_to(top) else []
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ":/", *spare)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout)"
+    return f"{commit} with uncommitted changes" if dirty else commit
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
+
+
+def _ordered(mapping: dict, order) -> list:
+    """results.json sorts its keys; the README lists them in the pipeline's order."""
+    return [(k, mapping[k]) for k in [*[k for k in order if k in mapping],
+                                      *sorted(set(mapping) - set(order))]]
+
+
+def _curves(curves: dict | None) -> str:
+    """Each run's over-optimisation curve, start to end (an older results.json has none)."""
+    if not curves:
+        return ""
+    parts = []
+    for run, points in _ordered(curves["runs"], POLICIES):
+        first, last = points[0], points[-1]
+        parts.append(f"{LABELS.get(run, run).split(' (')[0]} from "
+                     f"{percent(first['rubric_success_rate'])} to "
+                     f"{percent(last['rubric_success_rate'])} rubric success, learned score "
+                     f"{first['mean_learned_score']:.2f} to {last['mean_learned_score']:.2f}, "
+                     f"at a sampled log-ratio of {last['sampled_logratio']:.2f} nats")
+    return ("Over-optimisation curves (greedy answers to the 180 validation prompts, from SFT "
+            f"to each run's end; every quarter in `outputs/results.md`): {'; '.join(parts)}. ")
+
+
+def block(results: dict, facts: dict, commit: str) -> str:
+    """The generated block, markers included."""
+    where = [f"commit {commit}"]
+    if facts:
+        where.append(f"{facts['stages']} stages in {_duration(facts['seconds'])} from the "
+                     f"first one's start to the last one's end, finished {facts['date']}")
+    where += [f"{n} cores" for n in facts.get("cores", [])]
+    where += facts.get("cpus", [])
+    intro = (f"What the embedded default showed when last run ({'; '.join(where)}), reported as "
+             "it came out:")
+    rows = [("| | rubric success, 180 held-out test prompts (greedy) [95 % interval] | vs SFT, "
+             "paired | mean predicted simulated preference |"), "|---|---|---|---|"]
+    for policy, result in _ordered(results["policies"], POLICIES):
+        test = result["metrics"]["test_rows"]
+        ci = test["intervals_95"]
+        versus = _versus_sft(results["difference_to_sft"].get(policy, {}).get("test_rows"))
+        rows.append(f"| {LABELS.get(policy, policy)} | {percent(test['rubric_success_rate'])}"
+                    f"{interval_points(ci['rubric_success_rate'])} | {versus} | "
+                    f"{test['mean_learned_score']:.2f} |")
+    ex = results["exercise"]
+    rm, sampled = results["reward_model_test"], results["ppo_sampled_responses"]
+    first, last = sampled["first_10"], sampled["last_10"]
+    grpo = ", ".join(
+        f"{run} from {s['first_windows']['reward']:.2f} to {s['last_windows']['reward']:.2f}"
+        for run, s in _ordered(results["grpo_training"], GRPO_RUNS)
+        if s["first_windows"].get("reward") is not None
+        and s["last_windows"].get("reward") is not None)
+    checks = ", ".join(f"{name} {c['status']}"
+                       for name, c in _ordered(results["resume_checks"], EXPORTS))
+    figures = (
+        f"Reward model: {percent(rm['accuracy'])} accurate on the {rm['pairs']} test pairs "
+        f"({rm['ties']} ties). PPO's sampled responses, first vs last 10 iterations: "
+        f"reward-model score from {first['mean_reward_model_score']:.2f} to "
+        f"{last['mean_reward_model_score']:.2f}, rubric success from "
+        f"{percent(first['rubric_success_rate'])} to {percent(last['rubric_success_rate'])}. "
+        + (f"GRPO's sampled reward, first vs last tenth of the training windows: {grpo}. "
+           if grpo else "")
+        + _curves(results.get("over_optimisation"))
+        + f"Politeness exercise: polite wrong advice outranks plain correct advice in "
+          f"{ex['polite_wrong_outranks_plain_correct']} of the {ex['contexts']} probe contexts. "
+          f"Resume checks: {checks}. Intervals: bootstrap over prompts, paired for the "
+          "difference to SFT (`outputs/results.md` has every population).")
+    return "\n".join([BEGIN, *textwrap.wrap(intro, WIDTH), "", *rows, "",
+                      *textwrap.wrap(figures, WIDTH), END])
+
+
+def rewrite(readme: str, generated: str) -> str:
+    """`readme` with the text from BEGIN to END (markers included) replaced by `generated`."""
+    starts, ends = readme.count(BEGIN), readme.count(END)
+    start, end = readme.find(BEGIN), readme.find(END)
+    if starts != 1 or ends != 1 or end < start:
+        raise ReproError(f"the README needs exactly one `{BEGIN}` line followed by one `{END}` "
+                         f"line around its results block (found {starts} and {ends}): put them "
+                         f"there, then run `{COMMAND}` again")
+    return readme[:start] + generated + readme[end + len(END):]
+
+
+def main(results_path: str, readme_path: str, manifests: str, commit: str | None) -> dict:
+    results = load_results(Path(results_path))
+    readme = Path(readme_path)
+    if not readme.is_file():
+        raise ReproError(f"{readme} is missing: name the README with --readme")
+    text = rewrite(readme.read_text(), block(
+        results, run_facts(Path(manifests)), commit or commit_of(Path(results_path), readme)))
+    atomic_write_text(readme, text)
+    return {"readme": str(readme), "results": results_path, "status": "rewritten"}
+

@@ -1,0 +1,141 @@
+"""One resumable-run mechanism for SFT, the reward model and PPO.
+
+A training branch runs in three modes (`stages.MODES`); what makes `resume` end exactly where
+`continuous` does is that the resume state holds everything the rest of the run depends on:
+- `identity`: config, data, base model, code and initial tensors; a resume under another
+  identity stops and names the first difference;
+- `learned`: every role's adapters and heads (frozen roles too, to prove they stayed frozen);
+- `optimizers`, `generators` (data order, sampling) and `rng` (python, numpy, torch);
+- `updates` and `scheduler`: the schedule position, checked against this run's schedule;
+- `progress`: the loop's own position and history (epoch, prompt cursor, consumed ids, ...).
+`ResumableRun` restores them in that order and, at the end, checks that every frozen base and
+every role without an optimiser is unchanged and every trained role moved, then saves. The
+`<branch>_resume_check` stages compare two final states bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from reprorl.core import layout
+from reprorl.core.errors import ReproError
+from reprorl.core.manifest import sha256_file, write_json
+from reprorl.core.state import first_difference, load_state, restore_rng, rng_state, save_state
+from reprorl.model.roles import (
+    Role,
+    frozen_identity,
+    learned_identity,
+    learned_state,
+    load_learned,
+)
+
+
+def interrupt_state(branch: str, identity: dict) -> dict:
+    """`branch`'s interrupt state, refused (naming the first difference) unless it was written
+    under `identity`."""
+    state = load_state(layout.state(branch, "interrupt"))
+    difference = first_difference(state["identity"], identity, "identity")
+    if difference:
+        raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
+                         f" rerun {branch}_interrupt with the same config, data and code")
+    return state
+
+
+class ResumableRun:
+    def __init__(self, branch: str, identity: dict, roles: dict[str, Role],
+                 optimizers: dict[str, torch.optim.Optimizer],
+                 generators: dict[str, torch.Generator], schedule: Callable[[int], Any]):
+        self.branch, self.identity, self.roles = branch, identity, roles
+        self.optimizers, self.generators, self.schedule = optimizers, generators, schedule
+        self.initial = {name: (learned_identity(role), frozen_identity(role))
+                        for name, role in roles.items()}
+
+    def position(self, updates: int) -> dict:
+        return {"next_update": updates, "next_lr": self.schedule(updates)}
+
+    def resume(self) -> tuple[int, dict]:
+        """Restore the interrupt state into this run; returns (updates, progress)."""
+        state = interrupt_state(self.branch, self.identity)
+        for name, role in self.roles.items():
+            load_learned(role, state["learned"][name])
+        for name, optimizer in self.optimizers.items():
+            optimizer.load_state_dict(state["optimizers"][name])
+        for name, generator in self.generators.items():
+            generator.set_state(state["generators"][name])
+        restore_rng(state["rng"])
+        if state["scheduler"] != self.position(state["updates"]):
+            raise ReproError(f"the saved {self.branch} schedule position does not match this "
+                             "run's schedule")
+        return state["updates"], state["progress"]
+
+    def save(self, mode: str, updates: int, progress: dict) -> dict:
+        """Check what must and must not have moved, then write the complete state."""
+        for name, role in self.roles.items():
+            learned, frozen = self.initial[name]
+            if frozen_identity(role) != frozen:
+                raise ReproError(f"{self.branch}: the frozen base of the {name} role changed")
+            moved = learned_identity(role) != learned
+            if name in self.optimizers and not moved:
+                raise ReproError(f"{self.branch}: training did not change the {name}")
+            if name not in self.optimizers and moved:
+                raise ReproError(f"{self.branch}: the frozen {name} role changed")
+        state = {
+            "identity": self.identity,
+            "learned": {name: {n: t.detach().clone() for n, t in learned_state(role).items()}
+                        for name, role in self.roles.items()},
+            "optimizers": {name: o.state_dict() for name, o in self.optimizers.items()},
+            "generators": {name: g.get_state() for name, g in self.generators.items()},
+            "rng": rng_state(next(iter(self.roles.values())).device),
+            "updates": updates,
+            "scheduler": self.position(updates),
+            "progress": progress,
+        }
+        return save_state(layout.state(self.branch, mode), state)
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, lr: float, loss: torch.Tensor,
+                   max_grad_norm: float, what: str) -> float:
+    """Backward, refuse missing or non-finite gradients, clip, step; returns the gradient
+    norm before clipping."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss.backward()
+    parameters = optimizer.param_groups[0]["params"]
+    if any(p.grad is None or not torch.isfinite(p.grad).all() for p in parameters):
+        raise ReproError(f"{what}: missing or non-finite gradients")
+    norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_grad_norm))
+    optimizer.step()
+    return norm
+
+
+def resume_check(branch: str) -> dict:
+    """PASS only if `<branch>-resume` equals `<branch>-continuous` bit for bit (every tensor,
+    RNG, schedule position and history); the first difference is named. The report is
+    written either way; a FAIL also stops the stage."""
+    continuous, resumed = layout.state(branch, "continuous"), layout.state(branch, "resume")
+    final = load_state(resumed)
+    difference = first_difference(load_state(continuous), final)
+    result = {
+        "status": "PASS" if difference is None else "FAIL",
+        "first_difference": difference,
+        "continuous_sha256": sha256_file(continuous),
+        "resume_sha256": sha256_file(resumed),
+        "branch": branch,
+        "updates": final["updates"],
+        "compared": "every learned tensor, optimizer state, generator and RNG state, the "
+                    "schedule position and the loop's progress and history (timings are kept "
+                    "outside the state)",
+    }
+    write_json(layout.resume_check(branch), result)
+    if difference is not None:
+        raise ReproError(f"{branch} resume check FAILED: {difference}")
+    return result
+
+
+def stage(name: str, config: dict, run, log=print) -> dict:
+    result = resume_check(name.removesuffix("_resume_check"))
+    run.finish(summary=result)
+    return result
