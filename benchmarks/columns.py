@@ -5,7 +5,7 @@ model with the server's adapter layers and three random LoRA adapters (rank 16),
 thread, the first 48 rollout prompts of the corpus as the GRPO worker renders them, 4 samples
 each, 64 slots of 512 tokens, with 40 new tokens each here. Arm `columns`: today's engine,
 whose LoRA target projections read a column-major copy of their weight at the row counts where
-that gives the layer's own bits (`server_weights.Switch.product`, `invariance.linear`); arm
+that gives the layer's own bits (`weights.Switch.product`, `invariance.linear`); arm
 `rows`: the same engine with every projection computed by its `nn.Linear` (the row-major
 weight). Both arms must draw the same tokens and log-probs, bit for bit; the rounds alternate.
 The model and corpus come from `snakemake base_model prepare` when missing.

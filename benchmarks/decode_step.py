@@ -26,8 +26,9 @@ import time
 import torch
 from prefill_heads import GROUP, MAX_LEN, ROOT, SLOTS, served  # the script's own folder
 
-from reprorl.serve.engine import Engine, Sequence
+from reprorl.serve.engine import Engine
 from reprorl.serve.logprobs import Params
+from reprorl.serve.sequence import Sequence
 
 NEW_TOKENS = 40
 

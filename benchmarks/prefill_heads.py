@@ -32,8 +32,10 @@ from reprorl.core import config as configuration
 from reprorl.grpo.rollout import prompt_token_ids
 from reprorl.model.encoding import load_tokenizer
 from reprorl.pipeline.grpo_run import dataset
-from reprorl.serve.engine import Adapter, Engine, Sequence
+from reprorl.serve.adapters import Adapter
+from reprorl.serve.engine import Engine
 from reprorl.serve.logprobs import Params
+from reprorl.serve.sequence import Sequence
 from reprorl.serve.weights import install_switches
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ def tiny_qwen(seed: int, heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
 
 def random_adapter(name: str, rank: int, switches: dict, generator: torch.Generator):
     """An adapter of `rank` on every switch, random A and B (x 0.3), alpha / r 2."""
-    from reprorl.serve.engine import Adapter
+    from reprorl.serve.adapters import Adapter
 
     return Adapter(name, "", {key: (0.3 * torch.randn(rank, s.base.in_features,
                                                       generator=generator),
@@ -74,8 +74,10 @@ def test_a_prompt_samples_the_same_bits_alone_and_among_any_others(model, greedy
 def test_a_group_sharing_a_prompt_reuses_one_prefill_with_the_same_bits(model):
     """Samples of one prompt (a GRPO group) prefill it once and draw the bits each draws
     alone, where nothing is reused; more prompts than the prefix cache holds still replay."""
-    from reprorl.serve.engine import PREFIX_CACHE_PROMPTS, Engine, Sequence
+    from reprorl.serve.engine import Engine
+    from reprorl.serve.kv_slots import PREFIX_CACHE_PROMPTS
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     pool = prompts(PREFIX_CACHE_PROMPTS + 4, 7)
     seeds = [[10 * i + k for k in range(4)] for i in range(len(pool))]
@@ -100,8 +102,9 @@ def test_sequences_left_in_sparse_groups_move_down_and_keep_their_bits(model):
     half-empty groups remain and nobody waits: the engine moves the two highest into the
     first group's holes (KV and all), then decodes one group a step, not two, and every
     sequence still draws the bits it draws alone."""
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     pool = prompts(8, 13)
     limits = [2, 24] * 4
@@ -136,9 +139,10 @@ def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_t
     1 to 24 tokens, draw the bits each draws alone (one 16-row forward a step); the forwards
     hold 16 to 32 rows, and sequences left above holes move down. Where the probe fails,
     or with two threads, the engine decodes by groups of 16."""
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.invariance import rows_invariant
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     pool = prompts(40, 17)
     limits = [1 + (7 * i) % 24 for i in range(len(pool))]
@@ -178,8 +182,9 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, head
     finds it keeps the bits), rank 1 (alone on this project's CPUs) and none beside each
     other. A model with a hook where the written-out step would skip it is not supported."""
     from reprorl.serve import decode_step
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
     from reprorl.serve.weights import install_switches
 
     model = tiny_qwen(3, heads, kv_heads)
@@ -231,7 +236,8 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
     from torch import nn
 
     from reprorl.model.lora import with_adapter
-    from reprorl.serve.engine import Adapter, Engine
+    from reprorl.serve.adapters import Adapter
+    from reprorl.serve.engine import Engine
     from reprorl.serve.weights import Switch
 
     base = nn.Linear(64, 32)
@@ -248,8 +254,9 @@ def test_an_adapter_that_overflows_leaves_the_other_rows_alone(model, one_thread
     x = torch.randn(16, 1, 64, generator=generator)
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        assert engine.stacked == (threads == 1 and engine.ranks[16])
-        engine.adapt_rows(16, 3, [(good, [0]), (huge, [1])])  # row 2: the base model
+        assert engine.stacked == (threads == 1 and engine.adapters.ranks[16])
+        # row 2: the base model
+        engine.adapters.adapt_rows(16, 3, [(good, [0]), (huge, [1])], engine.stacked)
         with torch.no_grad():
             out = switches["proj"](x)
             expected = with_adapter(base(x), x, *good.weights["proj"])
@@ -307,8 +314,9 @@ def test_a_warmed_up_engine_probes_only_its_prompts_lengths_and_keeps_the_bits(
     an adapter over 32 slots adds no probe but `linear`'s at each new prompt length, and draws
     the bits a cold engine draws."""
     from reprorl.serve import invariance
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
     from reprorl.serve.weights import install_switches
 
     model = tiny_qwen(2)
@@ -356,8 +364,9 @@ def test_a_sequence_keeps_its_bits_whatever_adapters_of_its_rank_run_beside_it(o
     project's CPUs a `bmm` of rank 1 gives other bits with one item than with two, so a rank
     whose batched products change with the stack (`rows_invariant` at that rank) runs each
     adapter on its own."""
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
     from reprorl.serve.weights import install_switches
 
     model = tiny_qwen(1)
@@ -389,24 +398,21 @@ SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "to
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_rows_drawn_together_get_the_bits_each_gets_alone(settings, threads):
     """The engine draws a decode step's rows that share their settings in one block
-    (`Engine.draw`): each row's log-probs, token, top log-probs and rank are bitwise what the
+    (`logprobs.draw`): each row's log-probs, token, top log-probs and rank are bitwise what the
     row alone gives, and `race` draws the token `torch.multinomial` draws with the same
     generator state. Rows with ties, -inf and a wide range of scales."""
-    from reprorl.serve.engine import Engine, Sequence
-    from reprorl.serve.logprobs import Params, processed_logprobs, race
+    from reprorl.serve.logprobs import Params, draw, processed_logprobs, race
 
     generator = torch.Generator().manual_seed(11)
     logits = torch.randn(24, 1024, generator=generator) * torch.logspace(-1, 1.5, 24)[:, None]
     logits[3, :40] = logits[3].max()  # a tie across the top tokens
     logits[5, 100:] = -math.inf
     params = Params(max_tokens=8, logprobs=8, sampling_mask=True, **settings)
-    seqs = [Sequence([1, 2], params, None, torch.Generator().manual_seed(row))
-            for row in range(24)]
-    together = Engine.draw(seqs, logits)
+    generators = [torch.Generator().manual_seed(row) for row in range(24)]
+    together = draw(logits, params, generators, [1, 2])
     for row in range(24):
         scores = processed_logprobs(logits[row], params)
-        alone = Engine.draw([Sequence([1, 2], params, None, torch.Generator().manual_seed(
-            row))], logits[row:row + 1])
+        alone = draw(logits[row:row + 1], params, [torch.Generator().manual_seed(row)], [1, 2])
         assert together[row] == alone[0]
         token, logprob, (ids, values), rank, mask = together[row]
         if params.temperature > 0:
@@ -428,8 +434,9 @@ def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
     """`Engine.sample` over rows that each differ from temperature 1 with 3 log-probs in one
     setting (so only the grouping keeps them apart), the row without log-probs first: each
     sequence gets what it gets alone, and each row reads its own settings."""
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
     base = {"max_tokens": 8, "temperature": 1.0, "logprobs": 3}
@@ -455,8 +462,9 @@ def test_a_step_of_rows_with_mixed_settings_draws_each_as_alone(model):
 
 
 def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     engine = Engine(model, {}, 16, 16 * MAX_LEN, MAX_LEN, rows=16)
     params = Params(max_tokens=8, temperature=1.0, logprobs=0)
@@ -470,38 +478,39 @@ def test_a_row_whose_log_probs_hold_nan_fails_its_own_sequence_only(model):
 
 
 def test_a_slot_taken_again_holds_zeros_past_its_new_occupant(model):
-    """`fill_slot` zeroes only what earlier occupants wrote (`Engine.written`), not the whole
+    """`KVSlots.fill` zeroes only what earlier occupants wrote (`KVSlots.written`), not the whole
     slot: long sequences, ending at different steps (so `compact` moves some down), then short
     ones into the same slots. After every fill, each layer's keys and values past the new
     occupant are zeros, as a whole-slot zeroing leaves them (a stale Inf there would meet a
     masked weight 0: NaN), and so is every slot past its `written` mark after each run."""
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     engine = Engine(model, {}, 8, 8 * MAX_LEN, MAX_LEN, rows=4)
-    fill_slot, fills = engine.fill_slot, []
+    fill, fills = engine.kv.fill, []
 
     def checked(slot, kv):
-        fill_slot(slot, kv)
-        for layer in engine.cache.layers:
+        fill(slot, kv)
+        for layer in engine.kv.cache.layers:
             for store in (layer.keys, layer.values):
                 assert not store[slot, :, kv[0][0].shape[1]:].any(), slot
         fills.append(slot)
 
     def zeros_past_written():
-        for layer in engine.cache.layers:
+        for layer in engine.kv.cache.layers:
             for store in (layer.keys, layer.values):
-                for slot, written in enumerate(engine.written):
+                for slot, written in enumerate(engine.kv.written):
                     assert not store[slot, :, written:].any(), slot
 
-    engine.fill_slot = checked
+    engine.kv.fill = checked
     pool = prompts(24, 5)
     long = [Sequence(pool[i][:60] + [4] * (60 - len(pool[i][:60])),
                      Params(max_tokens=(20, 60)[i % 2], temperature=1.0), None,
                      torch.Generator().manual_seed(i)) for i in range(8)]
     engine.generate(long)
     zeros_past_written()
-    assert engine.moves > 0 and max(engine.written) > 60  # moved, and decoded past prompts
+    assert engine.moves > 0 and max(engine.kv.written) > 60  # moved, and decoded past prompts
     short = [Sequence(pool[8 + i][:4 + i], Params(max_tokens=3, temperature=1.0), None,
                       torch.Generator().manual_seed(i)) for i in range(16)]
     engine.generate(short)
@@ -516,9 +525,10 @@ def test_a_prompt_sharing_a_head_forwards_only_its_rest_with_the_same_bits(model
     only what follows the whole 32-token blocks of the longest head it shares, so long as
     16 tokens or more remain and both prompts hold under 192; and draws the bits it draws
     alone, where nothing is reused. With two threads each forwards whole."""
-    from reprorl.serve.engine import Engine, Sequence
+    from reprorl.serve.engine import Engine
     from reprorl.serve.invariance import heads_invariant, rows_invariant
     from reprorl.serve.logprobs import Params
+    from reprorl.serve.sequence import Sequence
 
     rng = random.Random(23)
     system = [rng.randrange(20, 64) for _ in range(40)]  # tails start below 20: a clean fork
@@ -575,7 +585,7 @@ def test_a_prefill_store_shared_between_calls_keeps_every_prompt_and_the_bits(mo
     the first's store, prefills nothing and draws the bits it draws without the store."""
     from collections import OrderedDict
 
-    from reprorl.serve.engine import PREFIX_CACHE_PROMPTS
+    from reprorl.serve.kv_slots import PREFIX_CACHE_PROMPTS
 
     pool = prompts(PREFIX_CACHE_PROMPTS + 4, 11)
     seeds = list(range(len(pool)))

@@ -17,7 +17,7 @@ import torch
 
 from reprorl.core.manifest import atomic_directory
 from reprorl.model import lora
-from reprorl.serve.engine import ApiError
+from reprorl.serve.sequence import ApiError
 from reprorl.serve.weights import copy_weights, read_weights, weight_targets
 
 from .config import AsyncGRPOConfig

@@ -10,7 +10,7 @@ differ from machine to machine, so the engine asks instead of assuming:
 - `heads_invariant`: a prompt forwarded after the KV of a head it shares with a recent prompt
   gets the bits of its own whole forward (`Engine.shared_head`).
 - `linear`: a linear layer's product from a column-major copy of its weight, which is faster,
-  at the row counts where a probe finds the layer's own bits (`server_weights.Switch`).
+  at the row counts where a probe finds the layer's own bits (`weights.Switch`).
 Each probe runs the model's own weights on random inputs. `forward_prompt`, the engine's prompt
 forward, lives here because the head probe must test exactly the function the engine runs.
 """
@@ -34,7 +34,7 @@ log = logging.getLogger("reprorl.serve")
 # 16 up (to 512; SDPA's at any count), and each item of a batched product is what that
 # product alone gives. With two threads neither holds. Where `rows_invariant` finds both (one
 # CPU thread), a decode forward spans the slots in use (`Engine.span`) and runs its rows'
-# adapters in one batched product (`engine.stack_adapters`); elsewhere it decodes by groups.
+# adapters in one batched product (`adapters.stack_adapters`); elsewhere it decodes by groups.
 SPAN_ROWS = 16
 SPAN_PROBE = (16, 17, 40)  # the row counts `rows_invariant` compares
 # A prompt reuses the KV of a head it shares with a recent one in whole blocks of 32 tokens,

@@ -5,7 +5,8 @@ honours). `processed_logprobs` gives vLLM's processed log-probs: the repetition 
 temperature, min-p, top-k and top-p, a filtered token at -inf (greedy: the penalised
 log-softmax). `penalise_repeats`, the penalty alone, is also what the GRPO loss applies, which
 must score each token under the distribution it was drawn from. `race` draws one token per row,
-each row from its own generator: the exponential race vLLM runs.
+each row from its own generator: the exponential race vLLM runs. `draw` puts them together for
+rows that share their settings, with what a response reports of each draw.
 """
 
 from __future__ import annotations
@@ -84,3 +85,29 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     for row, generator in zip(q, generators, strict=True):
         row.exponential_(generator=generator)
     return (probs / q).argmax(-1)
+
+
+def draw(logits: torch.Tensor, p: Params, generators: list[torch.Generator],
+         seen: list[int] | None) -> list[tuple | None]:
+    """One token for each row of `logits`, all rows under the settings `p` (and, with a
+    repetition penalty, the one row's `seen` tokens): for each row (token, its log-prob, top
+    log-probs, rank, candidate ids), or None where its log-probs hold NaN."""
+    scores = processed_logprobs(logits, p, seen if p.repetition_penalty != 1 else None)
+    broken = torch.isnan(scores).any(-1).tolist()
+    if p.temperature < GREEDY_EPS:
+        tokens = scores.argmax(-1)
+    else:
+        tokens = race(scores.exp(), generators)
+    chosen = scores.gather(-1, tokens[:, None])
+    top = [None] * len(generators)
+    ranks = [None] * len(generators)
+    if p.logprobs is not None:
+        best = scores.topk(p.logprobs)
+        top = list(zip(best.indices.tolist(), best.values.tolist()))
+        ranks = (1 + (scores > chosen).sum(-1)).tolist()
+    # what survived temperature, min-p, top-k and top-p
+    masks = ([torch.isfinite(row).nonzero().flatten().tolist() for row in scores]
+             if p.sampling_mask else [None] * len(generators))
+    return [None if nan else (token, logprob, pair, rank, mask) for
+            nan, token, logprob, pair, rank, mask in
+            zip(broken, tokens.tolist(), chosen[:, 0].tolist(), top, ranks, masks)]

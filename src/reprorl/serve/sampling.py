@@ -23,9 +23,10 @@ import torch
 from reprorl.core import devices
 from reprorl.core.errors import ReproError
 
-from .engine import Engine, Sequence
+from .engine import Engine
 from .invariance import SPAN_ROWS, cache_argument
 from .logprobs import Params
+from .sequence import Sequence
 
 
 @dataclass

@@ -1,45 +1,11 @@
-"""An embedded CPU generation server speaking the part of vLLM's OpenAI API that GRPO uses.
+"""`reprorl serve`: the embedded generation server, speaking the part of vLLM's API GRPO uses.
 
-`reprorl serve --model DIR` loads a Hugging Face directory and serves `/health`, `/v1/models`,
-`/metrics`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`, `/v1/completions` and (with
-`--enable-scale-out`) the token-in/token-out `/inference/v1/generate`, whose `sampling_mask`
-(`--return-sampling-mask`) gives each sampled token's candidate set, with
-vLLM's request and response shapes, so a client written against it runs unchanged against a real
-`vllm serve`; and, as vLLM does with `VLLM_SERVER_DEV_MODE=1`, `/collective_rpc` (its
-`reload_weights` method only: new full weights from a directory, applied between two engine
-steps) and `/reset_prefix_cache`, through which full-model training syncs merged weights.
-A background thread runs the batch-invariant engine (`reprorl.serve.engine.Engine`) over
-`min(--max-num-seqs, --kv-cache-tokens // --max-model-len)` preallocated KV slots in whole
-groups of `--decode-rows` (with one thread and 16 rows or more, one forward spans every group in
-use): a request's tokens, log-probs and top log-probs are bitwise the same whatever else runs
-beside it. Before it listens, the engine settles what it probes once per process
-(`Engine.warm_up`), as vLLM profiles its model at start-up. Log-probs are vLLM's
-`processed_logprobs` (after the repetition penalty, temperature, min-p, top-k, top-p; greedy:
-the penalised log-softmax). Each request samples with its own generator.
-
-Departures from vLLM: CPU only, one process; no streaming, `n` = 1, no `echo`, one prompt per
-request, no stop strings, no `min_tokens`, no presence or frequency penalty (0 only), no beam
-search, no chat endpoint, no defaults from the model's generation_config.json; the KV cache is
-a slot of `--max-model-len` tokens per sequence, not paged blocks (the metrics report
-`slots * max-model-len // 16` blocks); no preemption (a request waits for a free slot), and
-`--max-model-len` may not exceed `--kv-cache-tokens`;
-loading more than `--max-loras` adapters is refused instead of LRU-swapped, and LoRA model
-cards carry `max_model_len` too; `reload_weights` checks every tensor against the model (names,
-shapes, finite values, every weight given) and answers a wrong directory with 400 or 404, where
-vLLM answers 500; a request with `seed: null` draws its seed from the server's
-`--seed` stream; seeded tokens may differ from vLLM's (its kernels give other log-prob bits;
-the draw itself, `logprobs.race`, is the exponential race vLLM runs).
-
-Hardening (vLLM's behaviour where it has one): `--api-key` / `VLLM_API_KEY` requires a Bearer
-token on `/v1/*` (401 `{"error": "Unauthorized"}`, as vLLM). Additions of ours: `--lora-root`
-confines adapter paths to one directory (regular files only); `/metrics` also says where the
-engine thread's time goes (`reprorl:engine_*`); every number must be finite and
-in range; every error is vLLM's JSON error shape with its status (400 bad input, 404, 405, 413
-`--max-request-bytes`, 503 overloaded (`--max-waiting-requests`) or engine down, 500 only for
-a fault); an adapter with non-finite weights is refused; an exception while prefilling,
-decoding or sampling one sequence fails that request only; a client that disconnects aborts
-its generation; string prompts are tokenised off the event loop. What it loads (adapters, full
-weights) is read and checked by `server_weights.py`.
+It loads a Hugging Face directory, runs the batch-invariant engine in a background thread
+(`engine_thread.py`) and serves vLLM's routes over aiohttp: `/health`, `/v1/models`,
+`/metrics`, `/v1/completions`, `/inference/v1/generate` (`--enable-scale-out`), LoRA loading
+and, as vLLM's development mode does, `/collective_rpc` (`reload_weights`) and
+`/reset_prefix_cache`. Request checks and response shapes are in `api.py`, what it loads in
+`weights.py`; docs/server.md lists what it honours and where it departs from vLLM.
 """
 
 from __future__ import annotations
@@ -59,7 +25,6 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -70,59 +35,28 @@ from reprorl.core import devices
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import atomic_write_text
 
-from .engine import WORK, Adapter, ApiError, Engine, Sequence
+from .adapters import Adapter
+from .api import (
+    Reply,
+    completion,
+    error_response,
+    generation,
+    metrics,
+    number,
+    refuse_constant,
+    sampling_params,
+    text,
+)
+from .engine_thread import EngineThread
 from .invariance import SPAN_ROWS
 from .logprobs import Params
-from .weights import (
-    copy_weights,
-    install_switches,
-    number,
-    read_adapter,
-    read_weights,
-    refuse_constant,
-    weight_targets,
-)
+from .sequence import ApiError, Sequence
+from .weights import copy_weights, install_switches, read_adapter, read_weights, weight_targets
 
 log = logging.getLogger("reprorl.serve")
 
 
-SYSTEM_FINGERPRINT = "reprorl-serve"
 WEIGHT_ROUTES = ("/collective_rpc", "/reset_prefix_cache")  # a Bearer key too, when one is set
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-               413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}
-
-
-def error_response(error: ApiError) -> web.Response:
-    """vLLM's JSON error body, with the error's status."""
-    kind = ERROR_TYPES.get(error.status, "InternalServerError")
-    return web.json_response({"error": {"message": error.message, "type": kind,
-                                        "param": error.param, "code": error.status}},
-                             status=error.status)
-
-
-# ---------------------------------------------------------------- HTTP
-
-
-def json_logprob(value: float) -> float:
-    """A log-prob as vLLM writes it: -inf (a token truncation removed) as -9999.0, which JSON
-    can hold."""
-    return max(value, -9999.0)
-
-
-@dataclass(frozen=True)
-class Reply:
-    """What a completion's response needs from its request body (the body is not kept)."""
-
-    model: str
-    as_ids: bool  # return_tokens_as_token_ids
-    with_ids: bool  # return_token_ids
-    skip_special: bool  # skip_special_tokens
-
-    @classmethod
-    def of(cls, body: dict, model: str) -> Reply:
-        return cls(model, bool(body.get("return_tokens_as_token_ids")),
-                   bool(body.get("return_token_ids")),
-                   body.get("skip_special_tokens", True) is not False)
 
 
 class Server:
@@ -142,7 +76,7 @@ class Server:
         # by checkpoint name, before the Switches rename the linears
         self.weights = weight_targets(model)
         switches = install_switches(model)
-        self.engine = Engine(model, switches, args.max_num_seqs, args.kv_cache_tokens,
+        self.engine = EngineThread(model, switches, args.max_num_seqs, args.kv_cache_tokens,
                              self.max_len, args.decode_rows)
         self.piece = lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
@@ -223,46 +157,8 @@ class Server:
         return web.json_response({"object": "list", "data": cards})
 
     async def metrics(self, request):
-        engine, label = self.engine, f'engine="0",model_name="{self.name}"'
-        counters, blocks = engine.counters, f'num_gpu_blocks="{engine.capacity // 16}",'
-        table = [  # name, type, help, [(extra labels, value)]
-            ("vllm:num_requests_running", "gauge", "Requests in model execution batches.",
-             [("", len(engine.running))]),
-            ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.",
-             [("", len(engine.waiting))]),
-            ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-             [("", engine.kv_in_use() / engine.capacity)]),
-            ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
-             [("", counters["preemptions"])]),
-            ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
-             [("", counters["prompt_tokens"])]),
-            ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
-             [("", counters["generation_tokens"])]),
-            ("vllm:prefix_cache_queries_total", "counter",
-             "Prefix cache queries, in terms of number of queried tokens.",
-             [("", counters["prefix_cache_queries"])]),
-            ("vllm:prefix_cache_hits_total", "counter",
-             "Prefix cache hits, in terms of number of cached tokens.",
-             [("", counters["prefix_cache_hits"])]),
-            ("vllm:request_success_total", "counter", "Count of successfully processed requests.",
-             [(f'finished_reason="{r}",', n) for r, n in engine.successes.items()]),
-            ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
-             [(f'block_size="16",{blocks}', 1)]),
-        ]
-        table += [(f"reprorl:engine_{key}_total", "counter", text, [("", engine.work[key])])
-                  for key, text in WORK.items()]
-        lines = []
-        for name, kind, text, samples in table:
-            lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
-            lines += [f"{name}{{{extra}{label}}} {float(value)}" for extra, value in samples]
-        # vLLM's LoRA gauge: no engine label; the value is when it was set
-        running = ",".join(sorted({seq.adapter.name for seq in list(engine.running)
-                                   if seq.adapter is not None}))
-        lines += ["# HELP vllm:lora_requests_info Running stats on lora requests.",
-                  "# TYPE vllm:lora_requests_info gauge",
-                  (f'vllm:lora_requests_info{{max_lora="{self.args.max_loras}",'
-                   f'running_lora_adapters="{running}",waiting_lora_adapters=""}} {time.time()}')]
-        return web.Response(body=("\n".join(lines) + "\n").encode(), headers={
+        page = metrics(self.engine, self.name, self.args.max_loras)
+        return web.Response(body=page.encode(), headers={
             "Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def body(self, request) -> dict:
@@ -278,16 +174,9 @@ class Server:
             raise ApiError(400, "The request body must be a JSON object.")
         return body
 
-    @staticmethod
-    def text(body: dict, key: str) -> str | None:
-        value = body.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ApiError(400, f"'{key}' must be a string, got {type(value).__name__}.")
-        return value
-
     async def load_lora(self, request):
         body = await self.body(request)
-        name, path = self.text(body, "lora_name"), self.text(body, "lora_path")
+        name, path = text(body, "lora_name"), text(body, "lora_path")
         if not name or not path:
             raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.adapters or name == self.name:
@@ -312,7 +201,7 @@ class Server:
         return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request):
-        name = self.text(await self.body(request), "lora_name")
+        name = text(await self.body(request), "lora_name")
         if self.adapters.pop(name, None) is None:
             raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
         log.info("unloaded LoRA adapter %s", name)
@@ -329,7 +218,7 @@ class Server:
                            "(reload_weights only).")
         if not isinstance(kwargs, dict):
             raise ApiError(400, "'kwargs' must be an object.")
-        path = self.text(kwargs, "weights_path") or self.args.model
+        path = text(kwargs, "weights_path") or self.args.model
         allowed = [] if self.lora_root is None else [self.lora_root,
                                                      Path(self.args.model).resolve()]
         try:
@@ -350,45 +239,8 @@ class Server:
         return web.json_response({"success": True})
 
     def params(self, body: dict, prompt_len: int) -> Params:
-        for key in ("stream", "echo"):
-            if body.get(key):
-                raise ApiError(400, f"'{key}' is not supported by this server.")
-        if number(body, "n", 1, int) != 1:
-            raise ApiError(400, "Only n=1 is supported by this server.")
-        unbounded = "max_tokens" in body and body["max_tokens"] is None  # vLLM: fill the context
-        maximum = number(body, "max_tokens", self.max_len - prompt_len if unbounded else 16, int)
-        if maximum < 1:
-            raise ApiError(400, f"max_tokens must be at least 1, got {maximum}.")
-        if prompt_len + maximum > self.max_len:
-            raise ApiError(400, f"This model's maximum context length is {self.max_len} tokens. "
-                           f"However, you requested {prompt_len + maximum} tokens ({prompt_len} "
-                           f"in the messages, {maximum} in the completion). Please reduce the "
-                           "length of the messages or completion.")
-        p = Params(maximum, number(body, "temperature", 1.0), number(body, "top_p", 1.0),
-                   number(body, "top_k", 0, int), number(body, "min_p", 0.0),
-                   number(body, "repetition_penalty", 1.0))
-        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < -1 or not 0 <= p.min_p <= 1:
-            raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
-                           "min_p in [0, 1].")
-        for key in ("presence_penalty", "frequency_penalty"):
-            if number(body, key, 0.0) != 0:
-                raise ApiError(400, f"'{key}' is not supported by this server.")
-        if p.repetition_penalty <= 0:
-            raise ApiError(400, "repetition_penalty must be greater than zero, got "
-                           f"{p.repetition_penalty}.")
-        if body.get("logprobs") is not None:
-            p.logprobs = number(body, "logprobs", 0, int)
-            if not 0 <= p.logprobs <= self.args.max_logprobs:
-                raise ApiError(400, f"Requested sample logprobs of {p.logprobs}, which is "
-                               f"greater than max allowed: {self.args.max_logprobs}")
-        stops = body.get("stop_token_ids") or []
-        if not isinstance(stops, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in stops):
-            raise ApiError(400, "'stop_token_ids' must be a list of token ids.")
-        ignore = bool(body.get("ignore_eos", False))
-        p.eos_id = None if ignore else self.eos_id
-        p.stop_ids = frozenset(stops) | (frozenset() if ignore else frozenset(self.extra_eos))
-        return p
+        return sampling_params(body, prompt_len, self.max_len, self.args.max_logprobs,
+                               self.eos_id, self.extra_eos)
 
     async def prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
@@ -414,7 +266,7 @@ class Server:
 
     def model_of(self, body: dict) -> str:
         """The request's model, checked, with the engine running and room in its queue."""
-        model = self.text(body, "model") or self.name
+        model = text(body, "model") or self.name
         if model != self.name and model not in self.adapters:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
         if not self.engine.is_alive():
@@ -447,7 +299,8 @@ class Server:
         reply = Reply.of(body, model)
         del body  # a waiting request keeps only what its reply needs
         seq = await self.run(prompt, params, model, seed)
-        return web.json_response(await self.in_text_pool(lambda: self.response(seq, reply)))
+        return web.json_response(await self.in_text_pool(
+            lambda: completion(seq, reply, self.tokenizer, self.piece)))
 
     async def generate(self, request):
         """vLLM's `/inference/v1/generate` (`--enable-scale-out`): token ids in, token ids,
@@ -476,64 +329,7 @@ class Server:
         request_id = body.get("request_id") or f"gen-{uuid.uuid4().hex}"
         del body, settings
         seq = await self.run(prompt, params, model, seed)
-        content = None
-        if seq.params.logprobs is not None:
-            content = [{"token_id": tid, "logprob": json_logprob(value), "rank": rank,
-                        "top_logprobs": [{"token_id": other, "logprob": json_logprob(v)}
-                                         for other, v in zip(ids, values)]}
-                       for tid, (value, ids, values), rank in zip(
-                           seq.generated, seq.logprobs, seq.ranks)]
-        choice = {"index": 0, "finish_reason": seq.finish_reason,
-                  "token_ids": list(seq.generated), "routed_experts": None,
-                  "sampling_mask": list(seq.masks) if seq.params.sampling_mask else None,
-                  "logprobs": None if content is None else {"content": content}}
-        used = {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.generated),
-                "total_tokens": seq.length}
-        return web.json_response({"request_id": request_id, "output_mode": "tokens",
-                                  "choices": [choice], "usage": used})
-
-    def response(self, seq: Sequence, reply: Reply) -> dict:
-        as_ids, model = reply.as_ids, reply.model
-
-        def piece(tid: int) -> str:
-            return f"token_id:{tid}" if as_ids else self.piece(tid)
-
-        shown = seq.generated[:-1] if seq.finish_reason == "stop" else seq.generated
-        logprobs = None
-        if seq.params.logprobs is not None:
-            logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-            for tid, (value, ids, values) in zip(seq.generated, seq.logprobs):
-                top = {piece(tid): json_logprob(value)}  # the sampled token first, as vLLM
-                for other, other_value in zip(ids, values):
-                    top.setdefault(piece(other), json_logprob(other_value))
-                tokens = logprobs["tokens"]
-                logprobs["text_offset"].append(
-                    logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else 0)
-                tokens.append(piece(tid))
-                logprobs["token_logprobs"].append(json_logprob(value))
-                logprobs["top_logprobs"].append(top)
-        with_ids = reply.with_ids
-        choice = {
-            "index": 0,
-            "text": self.tokenizer.decode(shown, skip_special_tokens=reply.skip_special),
-            "logprobs": logprobs,
-            "finish_reason": seq.finish_reason,
-            "stop_reason": seq.stop_reason,
-            "token_ids": list(seq.generated) if with_ids else None,
-            "prompt_logprobs": None,
-            "prompt_token_ids": list(seq.prompt) if with_ids else None,
-            "routed_experts": None,  # vLLM's, for mixture-of-experts models
-        }
-        prompt_tokens, completion_tokens = len(seq.prompt), len(seq.generated)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": model, "choices": [choice],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens,
-                          "prompt_tokens_details": None, "completion_tokens_details": None},
-                # vLLM's other top-level keys, empty here as they are in vLLM without those
-                # features (tests/recorded/vllm-responses.json)
-                "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        return web.json_response(generation(seq, request_id))
 
 
 # ---------------------------------------------------------------- entry point

@@ -6,9 +6,8 @@ input while prefilling). `read_adapter` reads a PEFT directory (as `lora.export_
 and `read_weights` a `save_pretrained` directory, each checked against the model before anything
 is used: known names, the model's shapes, finite values, regular files under the allowed root.
 A fault in what a client sent is an `ApiError` with vLLM's status (400 bad input, 404 nothing
-there), which the server answers as JSON. `number` checks a JSON number as the API does, for
-request bodies and adapter configs alike; `refuse_constant`, `json.loads`' `parse_constant`
-hook, refuses NaN and Infinity with a ValueError, which both callers answer with a 400.
+there), which the server answers as JSON; an adapter's config is read with the API's JSON
+checks (`api.number`, `api.refuse_constant`).
 """
 
 from __future__ import annotations
@@ -31,32 +30,10 @@ from reprorl.model.lora import (
     with_row_adapters,
 )
 
-from .engine import Adapter, ApiError
+from .adapters import Adapter
+from .api import number, refuse_constant
 from .invariance import linear
-
-
-def number(body: dict, key: str, default, kind=float):
-    """body[key] as a finite number of `kind` (int or float); a missing or null one is the
-    default. Python's JSON reader turns 1e999 into inf, so finiteness is checked here too."""
-    value = body.get(key)
-    if value is None:
-        return default
-    what = "an integer" if kind is int else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"'{key}' must be {what}, got {value!r}.")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(400, f"'{key}' must be finite, got {value!r}.")
-    if kind is int and value != int(value):
-        raise ApiError(400, f"'{key}' must be an integer, got {value!r}.")
-    try:
-        return kind(value)
-    except OverflowError as error:  # an integer beyond a float's range
-        raise ApiError(400, f"'{key}' is out of range.") from error
-
-
-def refuse_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
-
+from .sequence import ApiError
 
 # ---------------------------------------------------------------- LoRA
 
@@ -65,7 +42,7 @@ class Switch(nn.Module):
     """A base linear layer plus adapters: one for the whole input (`active`, while one prompt
     is prefilled, `lora.with_adapter`), or one per batch row (`by_row`, while every slot
     decodes): each entry one adapter (`lora.with_adapter`) or a stack of them
-    (`lora.with_row_adapters`, `engine.stack_adapters`) over all rows, a fixed shape, whose
+    (`lora.with_row_adapters`, `adapters.stack_adapters`) over all rows, a fixed shape, whose
     result only its own rows keep."""
 
     def __init__(self, base: nn.Linear):

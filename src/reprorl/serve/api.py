@@ -1,0 +1,240 @@
+"""vLLM's OpenAI-compatible API as the embedded server speaks it: requests and responses.
+
+What a request may ask and how it is checked (`sampling_params`, `number`: every number finite
+and in range, a fault answered with vLLM's JSON error and its status), and the shapes of
+vLLM's responses (`completion`, `generation`, `metrics`), so a client written against a real
+`vllm serve` runs unchanged here. The HTTP routes that use them are in `server.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .engine import WORK, Engine
+from .logprobs import Params
+from .sequence import ApiError, Sequence
+
+SYSTEM_FINGERPRINT = "reprorl-serve"
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}
+
+
+def error_response(error: ApiError) -> web.Response:
+    """vLLM's JSON error body, with the error's status."""
+    kind = ERROR_TYPES.get(error.status, "InternalServerError")
+    return web.json_response({"error": {"message": error.message, "type": kind,
+                                        "param": error.param, "code": error.status}},
+                             status=error.status)
+
+
+def number(body: dict, key: str, default, kind=float):
+    """body[key] as a finite number of `kind` (int or float); a missing or null one is the
+    default. Python's JSON reader turns 1e999 into inf, so finiteness is checked here too."""
+    value = body.get(key)
+    if value is None:
+        return default
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{key}' must be {what}, got {value!r}.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"'{key}' must be finite, got {value!r}.")
+    if kind is int and value != int(value):
+        raise ApiError(400, f"'{key}' must be an integer, got {value!r}.")
+    try:
+        return kind(value)
+    except OverflowError as error:  # an integer beyond a float's range
+        raise ApiError(400, f"'{key}' is out of range.") from error
+
+
+def refuse_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
+
+
+def text(body: dict, key: str) -> str | None:
+    value = body.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"'{key}' must be a string, got {type(value).__name__}.")
+    return value
+
+
+def json_logprob(value: float) -> float:
+    """A log-prob as vLLM writes it: -inf (a token truncation removed) as -9999.0, which JSON
+    can hold."""
+    return max(value, -9999.0)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What a completion's response needs from its request body (the body is not kept)."""
+
+    model: str
+    as_ids: bool  # return_tokens_as_token_ids
+    with_ids: bool  # return_token_ids
+    skip_special: bool  # skip_special_tokens
+
+    @classmethod
+    def of(cls, body: dict, model: str) -> Reply:
+        return cls(model, bool(body.get("return_tokens_as_token_ids")),
+                   bool(body.get("return_token_ids")),
+                   body.get("skip_special_tokens", True) is not False)
+
+
+def sampling_params(body: dict, prompt_len: int, max_len: int, max_logprobs: int,
+                    eos_id: int | None, extra_eos: set[int]) -> Params:
+    """The request's sampling settings, checked as vLLM checks them: `max_len` the served
+    context, `max_logprobs` the server's --max-logprobs; `eos_id` and `extra_eos` (the
+    generation config's other end tokens) end a sequence unless it asks `ignore_eos`."""
+    for key in ("stream", "echo"):
+        if body.get(key):
+            raise ApiError(400, f"'{key}' is not supported by this server.")
+    if number(body, "n", 1, int) != 1:
+        raise ApiError(400, "Only n=1 is supported by this server.")
+    unbounded = "max_tokens" in body and body["max_tokens"] is None  # vLLM: fill the context
+    maximum = number(body, "max_tokens", max_len - prompt_len if unbounded else 16, int)
+    if maximum < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {maximum}.")
+    if prompt_len + maximum > max_len:
+        raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
+                       f"However, you requested {prompt_len + maximum} tokens ({prompt_len} "
+                       f"in the messages, {maximum} in the completion). Please reduce the "
+                       "length of the messages or completion.")
+    p = Params(maximum, number(body, "temperature", 1.0), number(body, "top_p", 1.0),
+               number(body, "top_k", 0, int), number(body, "min_p", 0.0),
+               number(body, "repetition_penalty", 1.0))
+    if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < -1 or not 0 <= p.min_p <= 1:
+        raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
+                       "min_p in [0, 1].")
+    for key in ("presence_penalty", "frequency_penalty"):
+        if number(body, key, 0.0) != 0:
+            raise ApiError(400, f"'{key}' is not supported by this server.")
+    if p.repetition_penalty <= 0:
+        raise ApiError(400, "repetition_penalty must be greater than zero, got "
+                       f"{p.repetition_penalty}.")
+    if body.get("logprobs") is not None:
+        p.logprobs = number(body, "logprobs", 0, int)
+        if not 0 <= p.logprobs <= max_logprobs:
+            raise ApiError(400, f"Requested sample logprobs of {p.logprobs}, which is "
+                           f"greater than max allowed: {max_logprobs}")
+    stops = body.get("stop_token_ids") or []
+    if not isinstance(stops, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in stops):
+        raise ApiError(400, "'stop_token_ids' must be a list of token ids.")
+    ignore = bool(body.get("ignore_eos", False))
+    p.eos_id = None if ignore else eos_id
+    p.stop_ids = frozenset(stops) | (frozenset() if ignore else frozenset(extra_eos))
+    return p
+
+
+def completion(seq: Sequence, reply: Reply, tokenizer, piece) -> dict:
+    """vLLM's `/v1/completions` response for a finished `seq`; `piece(token id)` is a
+    token's text (the server caches it)."""
+    as_ids, model = reply.as_ids, reply.model
+
+    def shown_as(tid: int) -> str:
+        return f"token_id:{tid}" if as_ids else piece(tid)
+
+    shown = seq.generated[:-1] if seq.finish_reason == "stop" else seq.generated
+    logprobs = None
+    if seq.params.logprobs is not None:
+        logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+        for tid, (value, ids, values) in zip(seq.generated, seq.logprobs):
+            top = {shown_as(tid): json_logprob(value)}  # the sampled token first, as vLLM
+            for other, other_value in zip(ids, values):
+                top.setdefault(shown_as(other), json_logprob(other_value))
+            tokens = logprobs["tokens"]
+            logprobs["text_offset"].append(
+                logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else 0)
+            tokens.append(shown_as(tid))
+            logprobs["token_logprobs"].append(json_logprob(value))
+            logprobs["top_logprobs"].append(top)
+    with_ids = reply.with_ids
+    choice = {
+        "index": 0,
+        "text": tokenizer.decode(shown, skip_special_tokens=reply.skip_special),
+        "logprobs": logprobs,
+        "finish_reason": seq.finish_reason,
+        "stop_reason": seq.stop_reason,
+        "token_ids": list(seq.generated) if with_ids else None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": list(seq.prompt) if with_ids else None,
+        "routed_experts": None,  # vLLM's, for mixture-of-experts models
+    }
+    prompt_tokens, completion_tokens = len(seq.prompt), len(seq.generated)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      "prompt_tokens_details": None, "completion_tokens_details": None},
+            # vLLM's other top-level keys, empty here as they are in vLLM without those
+            # features (tests/recorded/vllm-responses.json)
+            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+def generation(seq: Sequence, request_id: str) -> dict:
+    """vLLM's `/inference/v1/generate` response for a finished `seq`."""
+    content = None
+    if seq.params.logprobs is not None:
+        content = [{"token_id": tid, "logprob": json_logprob(value), "rank": rank,
+                    "top_logprobs": [{"token_id": other, "logprob": json_logprob(v)}
+                                     for other, v in zip(ids, values)]}
+                   for tid, (value, ids, values), rank in zip(
+                       seq.generated, seq.logprobs, seq.ranks)]
+    choice = {"index": 0, "finish_reason": seq.finish_reason,
+              "token_ids": list(seq.generated), "routed_experts": None,
+              "sampling_mask": list(seq.masks) if seq.params.sampling_mask else None,
+              "logprobs": None if content is None else {"content": content}}
+    used = {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.generated),
+            "total_tokens": seq.length}
+    return {"request_id": request_id, "output_mode": "tokens", "choices": [choice],
+            "usage": used}
+
+
+def metrics(engine: Engine, name: str, max_loras: int) -> str:
+    """The Prometheus page of `/metrics`: vLLM's gauges and counters for the served model
+    `name`, and where the engine thread's time goes (`reprorl:engine_*`)."""
+    label = f'engine="0",model_name="{name}"'
+    counters, blocks = engine.counters, f'num_gpu_blocks="{engine.capacity // 16}",'
+    table = [  # name, type, help, [(extra labels, value)]
+        ("vllm:num_requests_running", "gauge", "Requests in model execution batches.",
+         [("", len(engine.running))]),
+        ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.",
+         [("", len(engine.waiting))]),
+        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+         [("", engine.kv_in_use() / engine.capacity)]),
+        ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
+         [("", counters["preemptions"])]),
+        ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+         [("", counters["prompt_tokens"])]),
+        ("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+         [("", counters["generation_tokens"])]),
+        ("vllm:prefix_cache_queries_total", "counter",
+         "Prefix cache queries, in terms of number of queried tokens.",
+         [("", counters["prefix_cache_queries"])]),
+        ("vllm:prefix_cache_hits_total", "counter",
+         "Prefix cache hits, in terms of number of cached tokens.",
+         [("", counters["prefix_cache_hits"])]),
+        ("vllm:request_success_total", "counter", "Count of successfully processed requests.",
+         [(f'finished_reason="{r}",', n) for r, n in engine.successes.items()]),
+        ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+         [(f'block_size="16",{blocks}', 1)]),
+    ]
+    table += [(f"reprorl:engine_{key}_total", "counter", text, [("", engine.work[key])])
+              for key, text in WORK.items()]
+    lines = []
+    for metric, kind, text, samples in table:
+        lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}"]
+        lines += [f"{metric}{{{extra}{label}}} {float(value)}" for extra, value in samples]
+    # vLLM's LoRA gauge: no engine label; the value is when it was set
+    running = ",".join(sorted({seq.adapter.name for seq in list(engine.running)
+                               if seq.adapter is not None}))
+    lines += ["# HELP vllm:lora_requests_info Running stats on lora requests.",
+              "# TYPE vllm:lora_requests_info gauge",
+              (f'vllm:lora_requests_info{{max_lora="{max_loras}",'
+               f'running_lora_adapters="{running}",waiting_lora_adapters=""}} {time.time()}')]
+    return "\n".join(lines) + "\n"

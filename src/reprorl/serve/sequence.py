@@ -1,0 +1,84 @@
+"""One generation request as the engine runs it, and the error a request fails with.
+
+A `Sequence` carries a prompt through the engine: its sampling settings, its adapter, its own
+generator, what it generated (tokens, log-probs, candidate masks, ranks) and how it ended. The
+HTTP server awaits its future; in-process callers (`Engine.generate`) read the sequence itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .logprobs import Params
+
+if TYPE_CHECKING:
+    from .adapters import Adapter
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ApiError(Exception):
+    """A failure with its HTTP status (the server answers it in vLLM's JSON error shape)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param  # param: vLLM's field
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    params: Params
+    adapter: Adapter | None  # a reference: an unloaded adapter stays usable until this ends
+    generator: torch.Generator
+    future: asyncio.Future | None = None  # None: driven by `Engine.generate`, nobody awaits
+    loop: asyncio.AbstractEventLoop | None = None
+    generated: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # (sampled lp, top ids, top lps) per token
+    masks: list = field(default_factory=list)  # per token, the ids it could have been
+    ranks: list = field(default_factory=list)  # per token, its rank among the log-probs
+    slot: int | None = None  # its row of the KV slots while it runs
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    aborted: bool = False
+    error: ApiError | None = None  # this request failed; the others go on
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def take(self, token: int, logprob: float, top: tuple | None, rank: int | None,
+             mask: list[int] | None) -> None:
+        """A drawn token (`logprobs.draw`'s row) onto the sequence, which may end with it."""
+        p = self.params
+        if p.logprobs is not None:
+            self.logprobs.append((logprob, *top))
+            self.ranks.append(rank)
+        if p.sampling_mask:
+            self.masks.append(mask)
+        self.generated.append(token)
+        if token == p.eos_id:
+            self.finish_reason = "stop"
+        elif token in p.stop_ids:
+            self.finish_reason, self.stop_reason = "stop", token
+        elif len(self.generated) >= p.max_tokens:
+            self.finish_reason = "length"
+
+    def resolve(self, error: Exception | None = None) -> None:
+        if self.loop is None:  # `Engine.generate` reads the outcome from the sequence itself
+            return
+
+        def settle():
+            if not self.future.done():
+                self.future.set_exception(error) if error else self.future.set_result(self)
+        with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody waits
+            self.loop.call_soon_threadsafe(settle)
