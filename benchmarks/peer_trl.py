@@ -18,7 +18,7 @@ steps, on what they share:
   same adapter from its PEFT export (`assets/checkpoints/sft-peft`) as a trainable
   `PeftModel`; the script checks that both give the same logits before it starts;
 - the prompts: the corpus's 672 rollout prompts as `grpo_run.dataset("verifier")` reads them,
-  in reprorl's own order (its seeded epoch shuffle, `rollout.epoch_order`), which TRL reads
+  in reprorl's own order (its seeded epoch shuffle, `rows.epoch_order`), which TRL reads
   in that order with `shuffle_dataset=False`: TRL's step s and reprorl's block s are the same
   4 prompts, rendered by the same chat template to the same token ids;
 - the reward: `grpo_run.RubricVerifier`, the pipeline's rubric verifier (1.0 for a rubric

@@ -22,7 +22,7 @@ import torch
 
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.distributed import Setup, step_shares
-from reprorl.grpo.trainer import Step
+from reprorl.grpo.steps import Step
 from reprorl.model import lora
 
 BUDGET, ROWS = 48, 1

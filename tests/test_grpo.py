@@ -28,7 +28,7 @@ import torch
 
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, AsyncRolloutLoop
 from reprorl.grpo.metrics import reproducible
-from reprorl.grpo.rollout import epoch_order
+from reprorl.grpo.rows import epoch_order
 from reprorl.model import lora
 
 # Two rows of 100 tokens: a group (46 prompt tokens, 4 completions of 8 at most) fills most of

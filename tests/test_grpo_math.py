@@ -9,10 +9,11 @@ import torch
 
 from reprorl.grpo import AsyncGRPOConfig
 from reprorl.grpo.batching import TokenBudgetBatcher, pad_collate
+from reprorl.grpo.flow import has_room
 from reprorl.grpo.metrics import MetricsWindow, rule
-from reprorl.grpo.rollout import has_room, request_seed
 from reprorl.grpo.sample_queue import is_stale
 from reprorl.grpo.samples import Sample, TrainingSequence, TurnRecord, reconcile_turns
+from reprorl.grpo.worker import request_seed
 from reprorl.model.grpo_losses import (
     centered_score_loss,
     clip_fractions,

@@ -580,7 +580,7 @@ def test_server_limits_read_from_metrics_refuse_what_cannot_hold_the_run():
 def test_reward_models_by_id_or_object_are_refused_up_front():
     import torch
 
-    from reprorl.grpo.trainer import reward_functions
+    from reprorl.grpo.launch import reward_functions
 
     assert reward_functions(None) == [] and reward_functions(len) == [len]
     for given, words in (("trl-lib/reward-model", "the model id 'trl-lib/reward-model'"),

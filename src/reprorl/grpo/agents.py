@@ -11,9 +11,8 @@ A tool call is written as Qwen2.5 writes it, and as the embedded model's templat
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` after the turn's text. A turn
 whose blocks do not all parse as such JSON is plain text: it calls nothing (as in TRL). A call
 that raises, names no tool, or outruns `tool_timeout` fails: its result is
-`{"error": "..."}` and the rollout goes on; the model sees the error.
-Departures from TRL's worker: async tools are supported (the seed documents them; TRL refuses
-them), sync tools run in a thread pool with a timeout (TRL runs them on the event loop).
+`{"error": "..."}` and the rollout goes on; the model sees the error. Sync tools run in a
+thread pool; docs/grpo.md lists where this departs from TRL's worker.
 """
 
 from __future__ import annotations

@@ -1,40 +1,25 @@
 """Micro-batches within a token budget: `TokenBudgetBatcher` packs samples into tree rows.
 
-A micro-batch is up to `per_device_train_batch_size` rows; a row is a prefix trie of its
-samples (`packing.py`) holding at most `token_budget` tokens, a token shared by several samples
-counted once, so how many samples a row holds is decided by the budget. A sample is placed,
-in the order the queue offers it (the same samples in the same order give the same rows):
-1. in the row that holds its group (its prompt is there already), if it fits;
-2. a sample whose group's row is full: in a new row, while the micro-batch has one left, else
-   in a fitting row that does not become the costliest (splitting a group forwards its prompt
-   twice), attention cost being the query-key pairs under the tree mask;
-3. a sample of a new group: in the fitting row, or new row, where it adds the fewest tokens
-   (a prompt that shares a system prompt or a template's opening with a row's), then where
-   the cost stays lowest: with nothing shared, a new row while there is one, else the
-   cheapest row, which balances the rows; a row with room for its whole group comes first
-   (`group_samples` samples, each adding about its part after the prompt);
-otherwise it does not fit and the micro-batch closes. A sample longer than `token_budget` fits
-no row: `oversize` tells the queue to drop it.
+A micro-batch is up to `per_device_train_batch_size` rows, each a prefix trie of its samples
+(`packing.py`) of at most `token_budget` tokens, a shared token counted once. Samples are placed
+in queue order (the same samples in the same order give the same rows); a sample goes
+1. to the row that holds its group (its prompt is there already), if it fits;
+2. if that row is full: to a new row while the micro-batch has one left, else to a fitting row
+   that does not become the costliest (splitting a group forwards its prompt twice), cost
+   being the query-key pairs under the tree mask;
+3. if its group is new: where it adds the fewest tokens (a shared system prompt or template
+   opening), then where the cost stays lowest (with nothing shared, a new row while there is
+   one, else the cheapest row, which balances the rows); a row with room for its whole group
+   (`group_samples` samples) comes first;
+otherwise the micro-batch closes. `oversize` tells the queue to drop a sample longer than
+`token_budget`; `full` says no row has room for a sample as short as the shortest taken, so a
+free-running step does not wait for a sample that cannot fit.
 
-`MicroBatch` is what the loss reads: its `forwards` (one per row: input ids, tree mask,
-position ids, and the positions whose logits are needed, `keep`, passed as `logits_to_keep`),
-and per sample the loss columns (B, W) as in the padded layout that came before packing, right-
-aligned to each sample's end, so every per-token tensor of the loss is the same whatever the
-layout; `index` maps each column to the kept logits that predict it (all forwards' kept
-logits, in order). `pad_collate` builds that padded layout, one forward of left-padded rows,
-one per sample: the reference the tests and `benchmarks/packing.py` compare packing against.
-`record_rows` logs a micro-batch's row metrics (`batch/...`), measured on the rows it
-forwarded.
-
-Departures from the source document (TRL's TokenBudgetBatcher): one process runs a
-micro-batch's rows one forward after the other, where the document's ranks run one row each
-side by side (each row's forward is the same: no padding, memory bounded by token_budget, the
-attention cost of its own tokens). Spreading new groups over rows would then only forward
-their shared prefixes once more per row and save no time, so a new group goes first where it
-shares most, and cost balances the rows among equals (the document balances its ranks' rows
-first). `full` says when waiting for another group could not add to the micro-batch (no row
-has room for a sample as short as the shortest taken), so a free-running step does not wait
-for a sample that cannot fit.
+`MicroBatch` is what the loss reads: one forward per row (input ids, tree mask, position ids,
+the kept positions `keep`, passed as `logits_to_keep`) and per sample the right-aligned loss
+columns (B, W) of the padded layout (`pad_collate`, the reference of the tests and
+`benchmarks/packing.py`), which `index` maps to the kept logits that predict them.
+docs/grpo.md lists where it departs from TRL's TokenBudgetBatcher.
 """
 
 from __future__ import annotations

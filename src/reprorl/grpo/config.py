@@ -1,25 +1,11 @@
 """`AsyncGRPOConfig`: the seed's field names and defaults, each with a one-line help.
 
-Only the fields this engine reads are declared (TRL's class also carries every
-`TrainingArguments` field); under `torchrun` the ranks train with DDP (`distributed.py`), which
-reads `average_tokens_across_devices`, `ddp_backend` and `ddp_timeout`. Left out on purpose:
-FSDP's fields, MoE's `router_aux_loss_coef`, evaluation, hub and `report_to` (metrics go to
-JSONL and the console), `lr_scheduler_kwargs` (the two schedules here take none). Departures:
-`bf16=None` means off, on a GPU too (the seed turns bf16 on unless fp16; autocast would run the
-FP32 adapter branch in bf16, and the seed's setting is a BF16 base with FP32 adapters instead);
-`ignore_data_skip` can only be True, as in the seed;
-`vllm_server_timeout` bounds the start-up wait only (the seed uses it for weight syncs too),
-`vllm_request_timeout` each request. Additions of ours, grouped at the end: `embedded_server*`
-(start the generation server shipped here), `schedule_lag` (a schedule that replays bit for bit),
-`synchronous` (its lag 0, the benchmark's baseline) and `groups_per_step` (its step: a fixed
-count of prompts, where the seed's step holds what the rows' budget takes), `vllm_max_retries`,
-`vllm_server_api_key`, `vllm_request_timeout`, the watchdogs `reward_timeout`, `tool_timeout`
-and `stall_timeout`, `weight_sync_check*` (each sync proven by a canary request, see
-`weights.SyncCheck`), `lora_rank` / `lora_alpha` (a fresh adapter's shape) and `use_peft` (TRL's
-`ModelConfig` name: False trains the full model, which TRL's trainer does when `peft_config` is
-None; here a missing `peft_config` still means a fresh LoRA of `lora_rank`, the pipeline's
-policy).
-Every number is checked finite and in range when the config is made.
+Only the fields this engine reads are declared; under `torchrun` the ranks train with DDP
+(`distributed.py`), which reads `average_tokens_across_devices`, `ddp_backend` and
+`ddp_timeout`. The fields of ours (`embedded_server*`, `schedule_lag`, `synchronous`,
+`groups_per_step`, the watchdogs, `weight_sync_check*`, ...) are grouped at the end.
+Every number is checked finite and in range when the config is made. docs/grpo.md lists the
+fields left out, the additions, and where a field departs from the seed's.
 """
 
 from __future__ import annotations

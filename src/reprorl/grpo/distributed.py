@@ -1,34 +1,30 @@
 """Training across ranks with `torch.distributed`: DDP, launched by `torchrun`.
 
 `torchrun --nproc-per-node N script.py` starts N trainer processes (ranks), each holding the
-whole policy. DDP all-reduces their gradients, so every rank steps the same AdamW on the same
+whole policy; DDP all-reduces their gradients, so every rank steps the same AdamW on the same
 gradient and the copies stay equal. Rank 0 alone owns the rollout worker, the server
-connection, weight sync, checkpoints and metrics. Each optimizer step it takes the step's
-micro-batches off the queue (N times what one rank takes) and sends each rank its own in one
-pickled scatter (`Ranks.scatter` of `step_shares`): micro-batch i is rank i % N's, in
-accumulation slot i // N (`deal`), and a rank receives its micro-batches and, per slot, only
-the trained tokens and the number of ranks there (what its loss terms need), not the samples
-of the others. The loss of slot k is normalised by the trained tokens of slot k's micro-batches on
-every rank (`average_tokens_across_devices`, the seed's rule), so N ranks compute the gradient
-one rank computes when each slot's micro-batches are one (tests/test_grpo_ranks.py).
+connection, weight sync, checkpoints and metrics. Each step it takes N times one rank's
+micro-batches off the queue and sends each rank its own in one pickled scatter (`Ranks.scatter`
+of `step_shares`): micro-batch i is rank i % N's, in accumulation slot i // N (`deal`), with,
+per slot, only the trained tokens and the number of ranks there (what its loss needs). Slot k's
+loss is normalised by the trained tokens of slot k's micro-batches on every rank
+(`average_tokens_across_devices`), so N ranks compute the gradient one rank computes when each
+slot's micro-batches are one (tests/test_grpo_ranks.py). A rank dealt no micro-batch forwards
+one pad token with a zero loss, so that DDP's all-reduce still hears from every rank.
 
 Messages from rank 0, all scattered, in order: a `Setup` once the server answers (the
-batcher's budget), then per step each rank's `StepShare`, and at the end `Finished`, or
-`Abort` when rank 0 failed while the others waited for it. Collectives per step: that
-scatter, DDP's all-reduce in the last backward, and a gather of each rank's loss, token
-counts and metric records (`RankReport`) to rank 0, which logs them.
-
-Departures from the seed (TRL: accelerate with FSDP2): DDP, so each rank holds a full copy
-(FSDP2 shards the trained weights; a LoRA's are small, and at the tiny default nothing needs
-sharding); micro-batches go to ranks round-robin in queue order, not balanced by cost; a rank
-dealt no micro-batch in a step (fewer micro-batches than ranks) forwards one pad token with a
-zero loss, so that DDP's all-reduce still hears from every rank.
+batcher's budget), per step each rank's `StepShare`, at the end `Finished`, or `Abort` when
+rank 0 failed while the others waited. Collectives per step: that scatter, DDP's all-reduce in
+the last backward, and a gather of each rank's loss, token counts and metric records
+(`RankReport`) to rank 0, which logs them. `Channel` sends and receives them; `lead` and
+`follow` are the two sides of a run. docs/grpo.md lists where it departs from the seed.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -202,3 +198,65 @@ def step_shares(batches: list, world_size: int) -> list[StepShare]:
     tokens, counts = [trained_tokens(slot) for slot in slots], [len(slot) for slot in slots]
     return [StepShare(deal(batches, world_size, rank), tokens, counts)
             for rank in range(world_size)]
+
+
+class Channel:
+    """Rank 0's messages to the other ranks, on every rank. Rank 0 tells them of its failure
+    (`Abort`) only while they wait for its next message: from a step's scatter until its
+    gather they sit in collectives, where no message reaches them (`others_wait`)."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        self.others_wait = True  # rank 0: whether the other ranks wait for its next message
+
+    def tell(self, message) -> None:
+        """Rank 0: the same `message` to every other rank."""
+        self.ranks.scatter([message] * self.ranks.world_size)
+
+    def receive(self):
+        """A rank other than 0: rank 0's next message; an `Abort` raises `LeaderFailed`."""
+        message = self.ranks.scatter()
+        if isinstance(message, Abort):
+            raise LeaderFailed(f"rank 0 stopped the run: {message.reason}")
+        return message
+
+    def deal(self, shares: list[StepShare]) -> StepShare:
+        """Rank 0: each rank its share of a step (`step_shares`); returns rank 0's own."""
+        self.others_wait = False  # from the scatter on, they wait in a collective
+        return self.ranks.scatter(shares)
+
+    def report(self, report: RankReport) -> list[RankReport] | None:
+        """Every rank: its report of the step, gathered to rank 0 (in rank order; None on the
+        others)."""
+        reports = self.ranks.gather(report)
+        if self.ranks.main:
+            self.others_wait = True  # a failure from here on: they wait for a message
+        return reports
+
+
+def lead(channel: Channel, run: Callable[[], float], log) -> None:
+    """Rank 0 (the only rank without torchrun): `run()` (the processes, the steps, the final
+    checkpoint) returns the run's summed step losses, sent as `Finished`. The other ranks,
+    waiting for a message when it fails, are told why."""
+    channel.others_wait = True  # False from a step's micro-batches to its optimizer step
+    try:
+        loss_sum = run()
+    except BaseException as error:
+        if channel.ranks.distributed and channel.others_wait:
+            try:
+                channel.tell(Abort(f"{type(error).__name__}: {error}"))
+            except RuntimeError as lost:  # they are gone already: the error stands
+                log(f"warning: the other ranks were not told: {lost}")
+        raise
+    channel.tell(Finished(loss_sum))
+
+
+def follow(channel: Channel, set_up: Callable[[Setup], None],
+           train: Callable[[StepShare], None]) -> float:
+    """A rank other than 0: `set_up(setup)` with rank 0's `Setup`, then `train(share)` on each
+    step's share it deals this rank, until `Finished`; returns the step losses rank 0 added up
+    over every rank."""
+    set_up(channel.receive())
+    while not isinstance(message := channel.receive(), Finished):
+        train(message)
+    return message.loss_sum

@@ -12,11 +12,8 @@ samples in the same order give the same layout):
 - nothing is padded: each row is a forward of its own length.
 Attention with that mask makes each token's context exactly its own sample's prefix: its
 log-probabilities are those of forwarding the sample alone (up to float reduction order).
-
-Departure from the source document: its trie keeps the token before a fork once per branch,
-because its rows carry one label per position. Here the loss gathers each sample's
-predictions by index (`MicroBatch.index`), so one position may predict the first token of
-every branch below it, and the fork token is shared too.
+The token before a fork is shared too: the loss gathers each sample's predictions by index
+(`MicroBatch.index`), so one position may predict the first token of every branch below it.
 """
 
 from __future__ import annotations

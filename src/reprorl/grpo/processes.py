@@ -5,7 +5,8 @@ Both die with the trainer (`die_with_parent`), so a killed trainer leaves neithe
 once it runs (in parts: the trainer sends the last once its server serves), reports a worker
 that dies while starting, and tells a failed worker (its traceback), a dead one (its exit
 code) and a hung one (no heartbeat) apart; `ServerProcess` starts `reprorl serve` and waits
-for the port file it writes once listening.
+for the port file it writes once listening. The trainer starts and stops them through
+`launch.py`, where they are its `RolloutWorker` and `GenerationServer`.
 """
 
 from __future__ import annotations

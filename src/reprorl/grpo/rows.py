@@ -8,10 +8,9 @@ end (calling `set_epoch(epoch)` when it has one, as `IterableDataset.shuffle` ex
 rows are checked as they are read, off the worker's event loop. Positions count rows in
 reading order across epochs, so a resume at position p reads and drops the first p rows again
 (it keeps none of them): a stream that yields the same rows in the same order resumes exactly.
-Departure from the seed, whose worker restarts a stream at its first prompt on resume. A stream
-has no length: the run's length is `max_steps`, an epoch metric is not logged, and a checkpoint
-cannot prove it resumes the same stream (its identity names the stream's type only). An
-environment without a dataset draws from an endless stream of empty rows (`EmptyRows`).
+A stream has no length: the run's length is `max_steps`, an epoch metric is not logged, and a
+checkpoint cannot prove it resumes the same stream (its identity names the stream's type only).
+An environment without a dataset draws from an endless stream of empty rows (`EmptyRows`).
 """
 
 from __future__ import annotations

@@ -7,15 +7,11 @@ long-lived server (`vllm serve` shared by several runs) may still hold another r
 and a name it already has is refused. The newest `keep` versions stay loaded (`max_staleness +
 1`: every sample the trainer may still accept was sampled under one of them); older ones are
 unloaded, and their files deleted one publish later, because vLLM reloads an adapter it evicted
-from its cache lazily, from its path, for a request already queued (TRL keeps files one sync
-longer for the same reason). `close()` unloads what the run left loaded. After each load,
-`check(name)` (when given) asks the server to prove it serves the new weights (the trainer's
-canary: `SyncCheck` below).
-
-Departures from the seed (TRL): neither sync pauses the server or waits on another process; of
-the seed's pause/barrier/transfer split only the transfer (write + load) exists. Merged weights
-travel through a file and vLLM's `reload_weights`, not NCCL: the CPU servers here have no NCCL,
-and the same call serves vLLM and the embedded server.
+from its cache lazily, from its path, for a request already queued. `close()` unloads what the
+run left loaded. After each load, `check(name)` (when given) asks the server to prove it serves
+the new weights (the trainer's canary: `SyncCheck` below). Neither sync pauses the server or
+waits on another process; merged weights travel through a file and vLLM's `reload_weights`.
+docs/grpo.md lists where it departs from the seed (TRL).
 """
 
 from __future__ import annotations
