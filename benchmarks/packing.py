@@ -1,7 +1,7 @@
 """Tree packing against padding on the pipeline's own GRPO data, side by side in one run.
 
 Builds everything it needs, in memory (no pipeline stage has to have run):
-- prompts: the corpus's 672 rollout prompts (`corpus.generate()`, the generator the `prepare`
+- prompts: the corpus's 672 rollout prompts (`prepare.generate()`, the generator the `prepare`
   stage writes to disk), rendered with the default profile's chat template and tokenized by a
   tokenizer trained here as `base_model` trains the profile's (byte-level BPE over its
   pretraining texts, vocab 1024): 87 to 92 tokens each;
@@ -50,7 +50,7 @@ from reprorl.grpo.samples import Sample, TrainingSequence
 from reprorl.model import lora
 from reprorl.model.encoding import chat_prompt
 from reprorl.model.grpo_losses import group_advantages
-from reprorl.pipeline import base_model, corpus
+from reprorl.pipeline import base_model, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -88,7 +88,7 @@ def sampled(model, prompt: list[int], completion: list[int], top_k: int):
 
 def steps_of_samples(model, tokenizer, settings: dict, steps: int, seed: int) -> list[list]:
     """`steps` fixed-schedule steps of the pipeline's groups (see the module's docstring)."""
-    pages = corpus.generate()
+    pages = prepare.generate()
     prompts = [p["prompt"] for p in pages["rollouts"]]
     responses = [d["response"] for d in pages["demo_labels"]]  # what SFT taught the actor
     rng = random.Random(seed)

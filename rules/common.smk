@@ -1,5 +1,6 @@
-# Shared helpers: config validation, every path from reprorl.core.layout, and the params each
-# rule carries.
+# Shared helpers: config validation, every path from reprorl.core.layout, each stage's outputs,
+# threads and priority from its declaration in reprorl.core.stages, and the params each rule
+# carries.
 #
 # Snakemake re-runs a job when its params change (rerun trigger "params"). Each rule therefore
 # passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the
@@ -11,7 +12,18 @@ from reprorl.core import layout
 from reprorl.core.codehash import code_hash
 from reprorl.core.config import stage_config_json, validate
 from reprorl.core.errors import ConfigError
-from reprorl.core.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, gpus, threads
+from reprorl.core.stages import (
+    CURVES,
+    EXPORTS,
+    GRPO_RUNS,
+    MODES,
+    POLICIES,
+    STAGES,
+    gpus,
+    logs,
+    threads,
+)
+from reprorl.core.stages import outputs as stage_outputs
 from reprorl.core.stages import ranks as stage_ranks
 from snakemake.exceptions import WorkflowError
 
@@ -51,10 +63,10 @@ def captioned(path, caption, category):
 
 
 def stage_output(stage):
-    """A stage's outputs as layout names them; folders declared with directory(), the files
+    """A stage's outputs as its registry entry declares them; folders with directory(), the files
     of REPORTED and the figures flagged for `snakemake --report`."""
     outputs = {}
-    for name, path in layout.outputs(stage, config).items():
+    for name, path in stage_outputs(stage, config).items():
         if name in layout.DIRECTORIES:
             path = directory(str(path))
         elif (stage, name) in REPORTED:
@@ -83,47 +95,9 @@ def stage_resources(stage, **resources):
     return {**resources, **({"gpu": count} if count else {})}
 
 
-# Which ready job Snakemake starts first when the cores are short (higher first): a job's rank
-# is its longest path to the report in tens of seconds, from the stage times of a fresh
-# clone's default run on 2 cores (887aed2). So each branch's interrupt -> resume chain, whose
-# exports the rest waits for, goes before its straight run, which only its check reads; left to
-# itself Snakemake once started the GRPO verifier chain last, which then ran alone for 2 min.
-# It orders jobs only: no output depends on it.
-PRIORITY = {
-    "base_model": 59,
-    "prepare": 37,
-    "reward_interrupt": 37,
-    "reward_resume": 31,
-    "sft_interrupt": 30,
-    "sft_resume": 28,
-    "ppo_interrupt": 24,
-    "grpo_learned_interrupt": 22,
-    "ppo_continuous": 21,
-    "grpo_verifier_interrupt": 18,
-    "ppo_resume": 17,
-    "grpo_learned_continuous": 15,
-    "reward_continuous": 14,
-    "grpo_learned_resume": 14,
-    "grpo_verifier_resume": 12,
-    "grpo_verifier_continuous": 11,
-    "generation_inputs": 7,
-    "sft_continuous": 6,
-    "generate_grpo_verifier": 6,
-    "generate_grpo_learned": 6,
-    "generate_sft": 5,
-    "generate_ppo": 5,
-    "reward_test": 4,
-    # evaluate's one input without a long path to it: ready early, it must not be left last
-    "sft_validation": 4,
-    # the curves of PPO and GRPO (four points, each curve about four generation jobs, measured on
-    # d563025): ready when their straight run ends, they must not wait behind the short jobs
-    **{f"curve_{branch}": 10 for branch in CURVES},
-}
-
-
 def stage_priority(stage):
-    """The rule's `priority:` (PRIORITY; 1 for the short jobs near the end of every path)."""
-    return PRIORITY.get(stage, 1)
+    """The rule's `priority:` (reprorl.core.stages.PRIORITY says why each)."""
+    return STAGES[stage].priority
 
 
 def stage_params(stage):

@@ -22,7 +22,7 @@ for branch in EXPORTS:
             output:
                 **stage_output(stage),
             log:
-                **layout.logs(stage),
+                **logs(stage),
             benchmark:
                 layout.benchmark(stage)
             priority: stage_priority(stage)

@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 
 from reprorl.core.manifest import PreservedArtifactError, ReproError, read_json, sha256_file
-from reprorl.pipeline import corpus
+from reprorl.pipeline import corpus, prepare
 from reprorl.pipeline.rubric import evaluate_response
 
 
 @pytest.fixture(scope="module")
 def generated():
-    return corpus.generate()
+    return prepare.generate()
 
 
 def test_audit_shows_the_seed_numbers(generated):
-    summary = corpus.audit(generated)
+    summary = prepare.audit(generated)
     assert (summary["dataset"], summary["revision"]) == ("OfficeHelpPrefs-v1", "reprorl-r1")
     assert summary["pairs"] == 1200
     assert summary["pairs_by_split"] == {"train": 840, "validation": 180, "test": 180}
@@ -29,7 +29,7 @@ def test_audit_shows_the_seed_numbers(generated):
 
 
 def test_generation_is_deterministic(generated):
-    assert json.dumps(corpus.generate(), sort_keys=True) == json.dumps(generated, sort_keys=True)
+    assert json.dumps(prepare.generate(), sort_keys=True) == json.dumps(generated, sort_keys=True)
 
 
 def test_probe_factorial_square(generated):
@@ -50,7 +50,7 @@ def test_pretraining_population_is_disjoint(generated):
     task_prompts = {r["prompt"] for r in generated["pages"] + generated["demos"]
                     + generated["rollouts"]}
     task_families = {r["family"] for r in generated["pages"]}
-    rows = corpus.pretraining_texts(200, seed=11)
+    rows = prepare.pretraining_texts(200, seed=11)
     assert not {p for p, _ in rows} & task_prompts
     families = {re.search(r"\b(?:PRE|OH|PROBE)\d+\b", p).group(0) for p, _ in rows}
     assert all(f.startswith("PRE") for f in families) and not families & task_families
@@ -72,7 +72,7 @@ def test_audit_catches_broken_invariants(generated, breakage, message):
     broken = json.loads(json.dumps(generated))
     breakage(broken)
     with pytest.raises(ReproError, match=message):
-        corpus.audit(broken)
+        prepare.audit(broken)
 
 
 class _Run:
@@ -96,7 +96,7 @@ def test_the_file_contract_is_the_seeds():
 
 
 def test_stage_writes_contract_then_keeps_identical_corpus(in_tmp):
-    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
+    prepare.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     root = Path("data/generated")
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     assert files == sorted(corpus.CORPUS_FILES)
@@ -104,23 +104,23 @@ def test_stage_writes_contract_then_keeps_identical_corpus(in_tmp):
     assert manifest["files"]["train/pages.json"] == sha256_file(root / "train/pages.json")
     assert read_json("outputs/data-audit.json")["pairs"] == 1200
     before = {p: sha256_file(p) for p in root.rglob("*") if p.is_file()}
-    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)  # identical: kept, no error
+    prepare.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)  # identical: kept, no error
     assert before == {p: sha256_file(p) for p in root.rglob("*") if p.is_file()}
 
 
 def test_stage_refuses_to_overwrite_a_different_corpus(in_tmp):
-    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
+    prepare.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     target = Path("data/generated/train/pages.json")
     target.write_text(target.read_text().replace("OH0", "XX0", 1))
     tampered = sha256_file(target)
     with pytest.raises(PreservedArtifactError, match="data/generated/train/pages.json"):
-        corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
+        prepare.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     assert sha256_file(target) == tampered  # nothing overwritten
 
 
 def test_stage_refuses_another_seed(in_tmp):
     with pytest.raises(ReproError, match="frozen at seed 49"):
-        corpus.stage("prepare", {"seed": 50}, _Run(), log=lambda m: None)
+        prepare.stage("prepare", {"seed": 50}, _Run(), log=lambda m: None)
     assert not Path("data").exists()
 
 
@@ -128,7 +128,7 @@ def test_learning_scopes_never_read_held_out_rows(in_tmp):
     """Scopes first: no learning or verifier stage may open a held-out file. Then contents: a
     learning file holding a test or probe row is refused even when the manifest vouches for
     it (a generator that leaked the row would sign its own output)."""
-    corpus.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
+    prepare.stage("prepare", {"seed": 49}, _Run(), log=lambda m: None)
     for scope in corpus.LEARNING_SCOPES:
         for name in ("input/pages.json", "labels/gold.json"):
             with pytest.raises(corpus.HeldOutError, match="held-out discipline"):

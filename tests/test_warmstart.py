@@ -12,7 +12,7 @@ from reprorl.core import config as configuration
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import read_json
 from reprorl.core.state import load_state, save_state
-from reprorl.pipeline import corpus, exports, resumable, warmstart
+from reprorl.pipeline import corpus, exports, prepare, resumable, warmstart
 
 
 class _Run:
@@ -28,7 +28,7 @@ def project(tmp_path_factory, tiny_model):
     os.chdir(root)
     try:
         config = configuration.load(ROOT / "configs/ci.yaml")
-        corpus.stage("prepare", config, _Run(), log=lambda m: None)
+        prepare.stage("prepare", config, _Run(), log=lambda m: None)
         shutil.copytree(tiny_model, "assets/model")
         for mode in ("interrupt", "continuous"):
             warmstart.train(config, "sft", mode, log=lambda m: None)

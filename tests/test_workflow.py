@@ -99,7 +99,7 @@ def test_manifests_record_what_each_stage_read_and_its_rule_declares(workflow):
 def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
     import torch
 
-    from reprorl.model import losses as objectives
+    from reprorl.model import losses
 
     report = read_json(workflow / "outputs/learning/ppo/continuous.json")
     assert report["iterations"] == 100 and report["updates_per_optimizer"] == 200
@@ -112,12 +112,12 @@ def test_ppo_rollouts_let_anyone_recompute_the_targets(workflow):
                                         "iteration-001.json")["rollouts"]:
         n = len(rollout["response_ids"])
         mask = torch.ones(1, n, dtype=torch.bool)
-        rewards = objectives.token_rewards(
+        rewards = losses.token_rewards(
             torch.tensor([rollout["behaviour_logprobs"]]),
             torch.tensor([rollout["reference_logprobs"]]), mask,
             torch.tensor([rollout["reward_model_score"]]),
             torch.tensor([rollout["finish_reason"] == "cut"]))
-        advantages, returns = objectives.gae(rewards, torch.tensor([rollout["values"]]), mask)
+        advantages, returns = losses.gae(rewards, torch.tensor([rollout["values"]]), mask)
         torch.testing.assert_close(rewards[0].tolist(), rollout["rewards"])
         torch.testing.assert_close(advantages[0].tolist(), rollout["advantages"])
         torch.testing.assert_close(returns[0].tolist(), rollout["returns"])
@@ -318,7 +318,8 @@ def test_a_second_clean_run_gives_identical_manifests(workflow, tmp_path):
 def test_a_seed_run_reuses_the_corpus_and_base_and_rebuilds_the_rest(workflow):
     """`reprorl seed-run` (the seeds target's step) on the CI profile, as a dry run of its
     nested Snakemake: the corpus and base model copied in count as built, every learning
-    stage and everything after it is to run (a full run of three seeds is in the README)."""
+    stage and everything after it is to run (a full run of three seeds is in
+    benchmarks/RESULTS.md)."""
     ci = json.dumps(configuration.load(str(workflow / "configs/ci.yaml")))
     result = reprorl(workflow, "seed-run", "50", "--config-json", ci, "--cores", "2",
                      "--dry-run", check=True)

@@ -1,16 +1,14 @@
 """Where every artifact lives: the one module that names a path.
 
-The rules take each stage's outputs from `outputs(stage, config)`, and the stages read and
-write through the same names, so a path is spelled once. Paths are relative to the working
-directory: the workflow root, or the shadow directory a generation job runs in.
+The stage registry (`stages.py`) declares each stage's outputs from these names, and the
+stages read and write through the same names, so a path is spelled once. Paths are relative to
+the working directory: the workflow root, or the shadow directory a generation job runs in.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from string import Formatter
-
-from .stages import CURVES, EXPORTS, MODES, POLICIES, resumable
 
 # folders
 CORPUS = Path("data/generated")
@@ -90,13 +88,6 @@ final_manifest = Pattern(CHECKPOINTS / "{name}-final.json")
 peft = Pattern(CHECKPOINTS / "{name}-peft")
 
 
-def logs(stage: str) -> dict[str, Path]:
-    """A rule's log files by name: the stage's output, and a GRPO run's timed metrics."""
-    branch, mode = resumable(stage) or ("", "")
-    timed = branch.startswith("grpo_") and mode in MODES
-    return {"main": log(stage), **({"metrics": metrics_log(stage)} if timed else {})}
-
-
 def final_files(name: str) -> list[Path]:
     return [final(name), final_manifest(name)]
 
@@ -109,61 +100,3 @@ seed_dir = Pattern(OUTPUTS / "seeds/{seed}")
 # judging
 generations = Pattern(INFERENCE / "{policy}.json")
 figure = Pattern(REPORT / "{name}.png")
-
-
-def _exports(names: tuple[str, ...]) -> dict[str, Path]:
-    """Final files of a run's exports: the first is `final`, any other `<name>_final`."""
-    files = {}
-    for index, name in enumerate(names):
-        prefix = "" if index == 0 else f"{name}_"
-        files[f"{prefix}final"] = final(name)
-        files[f"{prefix}final_manifest"] = final_manifest(name)
-        if name in POLICIES:
-            files[f"{prefix}peft"] = peft(name)
-    return files
-
-
-def outputs(stage: str, config: dict) -> dict[str, Path | list[Path]]:
-    """Every file (or folder, see DIRECTORIES) `stage` writes, by the names rules use."""
-    files: dict[str, Path | list[Path]] = {}
-    branch, mode = resumable(stage) or stage.partition("_")[::2]
-    if stage == "prepare":
-        files["audit"] = DATA_AUDIT  # the corpus folder itself is preserved, not declared
-    elif stage == "base_model":
-        files["summary"] = BASE_MODEL_SUMMARY
-        if config["model"]["source"] == "embedded":
-            files["model"] = Path(config["model"]["path"])
-    elif branch in EXPORTS and mode in MODES:
-        files |= {"state": state(branch, mode), "report": learning_report(branch, mode)}
-        if branch == "ppo":
-            files["rollouts"] = rollouts(mode)
-        if branch in CURVES and mode == "continuous":
-            files["snapshots"] = snapshots(branch)
-        if mode == "resume":
-            files |= _exports(EXPORTS[branch])
-    elif branch in EXPORTS and mode == "resume_check":
-        files["check"] = resume_check(branch)
-    elif stage == "sft_validation":
-        files["report"] = SFT_VALIDATION
-    elif stage == "ppo_report":
-        files["report"] = PPO_SAMPLED
-    elif stage == "generation_inputs":
-        files["pages"] = GENERATION_PAGES
-    elif branch == "curve":
-        files["curve"] = curve(mode)
-    elif branch == "generate":
-        files["generations"] = generations(mode)
-    elif stage == "reward_test":
-        files["test"] = REWARD_TEST
-    elif stage == "evaluate":
-        files |= {"results": RESULTS, "table": RESULTS_TABLE, "rows": RESULTS_ROWS}
-    elif stage == "exercise":
-        files["shortcuts"] = EXERCISE
-    elif stage == "seeds":
-        files["summary"] = SEEDS_SUMMARY
-    elif stage == "report":
-        files |= {"figures": [figure(name) for name in FIGURES], "page": REPORT_PAGE}
-    else:
-        raise KeyError(f"no stage {stage!r} in reprorl.core.layout")
-    return files | {"manifest": manifest(stage)}
-

@@ -10,7 +10,7 @@ A stage manifest (`outputs/manifests/<stage>.json`) has two parts:
   numeric libraries see it: the same versions round differently on another instruction set);
   the inputs are the files the stage actually opened: every reader of an input (`corpus.read`,
   the final-export and resume-state loaders, the tokenizer and model loaders, `read_input`)
-  records its path with `record_read`; the outputs are the stage's entry in `layout.outputs`;
+  records its path with `record_read`; the outputs are the stage's entry in `stages.outputs`;
 - `run`: what legitimately varies between runs (wall time, peak memory, host, cores, start time).
 `audit_manifests` re-hashes every file named in `hashed` and stops at the first difference.
 """
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import layout
+from . import layout, stages
 from .errors import AuditError, PreservedArtifactError, ReproError
 
 # the distributions whose version can change a number, a figure's bytes or the DAG
@@ -294,7 +294,7 @@ class StageRun:
             ...read inputs through the recording readers, write outputs...
             run.finish(summary={...}, run_info={...})
 
-    `inputs` defaults to what the stage recorded reading, `outputs` to its `layout.outputs`.
+    `inputs` defaults to what the stage recorded reading, `outputs` to its `stages.outputs`.
     """
 
     def __init__(self, stage: str, *, config: dict, code_hash: str):
@@ -319,7 +319,7 @@ class StageRun:
         if inputs is None:
             inputs = sorted(_READS)
         if outputs is None:
-            declared = layout.outputs(self.stage, self.config)
+            declared = stages.outputs(self.stage, self.config)
             declared.pop("manifest")
             outputs = [p for v in declared.values() for p in (v if isinstance(v, list) else [v])]
         hashed = {

@@ -20,7 +20,7 @@ and nothing is bootstrapped past it. Positions outside the mask come out as zero
 - critic: 0.5 (V - R)^2;
 both reduced as a mean over each response's tokens, then a mean over responses, so a long
 response weighs as much as a short one. No advantage whitening, no value clipping, no entropy
-bonus (departures from TRL's PPO defaults that the seed makes on purpose).
+bonus (docs/pipeline.md lists where this departs from TRL's PPO).
 """
 
 from __future__ import annotations

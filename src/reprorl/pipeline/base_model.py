@@ -38,7 +38,7 @@ from reprorl.core.progress import progress
 from reprorl.model.encoding import chat_prompt
 from reprorl.model.schedule import linear_warmup_decay
 
-from .corpus import pretraining_texts
+from .prepare import pretraining_texts
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SYSTEM_PROMPT = "You are a helpful assistant."

@@ -7,14 +7,12 @@ format, at points fixed before it starts: every quarter of its iterations or opt
 - greedily: the rubric's success rate is the gold, the frozen reward model's mean score
   ("predicted simulated preference") the proxy;
 - once more sampled at temperature 1 (generator i seeded with SAMPLE_SEED + i, the same for
-  every snapshot): the mean over prompts of sum_t log pi(y_t) - log pi_ref(y_t), with pi_ref the
-  SFT actor every run starts from, is the sampled log-ratio to the reference, an estimate of
-  KL(pi || pi_ref) in nats per response: the distance.
+  every snapshot): the mean over prompts of sum_t log pi(y_t) - log pi_ref(y_t) (log pi the
+  sampler's own, log pi_ref a teacher-forced pass of the SFT actor every run starts from) is
+  the distance, an estimate of KL(pi || pi_ref) in nats per response.
 `sft_validation` measures the start, the SFT actor (distance 0: it is the reference). The
-validation prompts are never used to select, stop or tune anything.
-Departures from the paper: the distance is the KL estimate itself, not its square root, from
-one sampled response per prompt (so a small distance can read slightly negative); log pi is
-the sampler's own log-prob of the token it drew, log pi_ref a teacher-forced pass.
+validation prompts are never used to select, stop or tune anything. docs/pipeline.md lists
+where it departs from the paper.
 """
 
 from __future__ import annotations

@@ -4,18 +4,16 @@ The learned score is reported as "predicted simulated preference": a frozen netw
 which answer the simulated rubric-based preferences favour, never utility or satisfaction. The
 rubric is the independent judge: success counts over all outputs, UNCERTIFIED prose is never a
 success, unsupported certainty is a rate over recognized answers only.
-
 - `reward_test`: the frozen reward model on the 180 test pairs (accuracy, ties, per-pair scores);
-- `exercise`: the frozen reward model on the 80 fixed probe candidates: per context, the score
+- `exercise`: the frozen reward model on the 80 fixed probe candidates (per context, the score
   change politeness brings to correct and to incorrect advice, and whether polite wrong advice
-  outranks plain correct advice. The hashes of every final checkpoint, the held-out generations
-  and the config are compared before and after; nothing is refitted;
+  outranks plain correct advice); every final checkpoint, the held-out generations and the
+  config hashed before and after; nothing is refitted;
 - `evaluate`: every policy's 260 generations judged per population (test rows, probe rows,
-  unique probe contexts, all rows, all unique contexts), each rate and mean with a 95 %
-  bootstrap interval over prompts and each policy's paired difference to SFT
-  (`uncertainty.py`), plus the exercise -> outputs/results.json + results.md
-  (`results_markdown.py`), and every judged row as outputs/results-rows.csv (pandas). It reads
-  the resume checks and refuses to write results unless each is PASS.
+  unique probe contexts, all rows, all unique contexts) with 95 % bootstrap intervals over
+  prompts and paired differences to SFT (`uncertainty.py`), plus the exercise ->
+  outputs/results.json + results.md (`results_markdown.py`) and outputs/results-rows.csv
+  (pandas); it refuses to write results unless every resume check is PASS.
 """
 
 from __future__ import annotations

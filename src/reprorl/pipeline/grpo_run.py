@@ -8,19 +8,12 @@ Both runs start from the SFT actor (its adapters keep training) and differ only 
   preference"), minus `cut_penalty` for a response cut without EOS, as in PPO.
 The embedded generation server samples; the trainer and the worker run beside it. On the
 fixed schedule (`grpo.schedule_lag`, default 3) with the batch-invariant server a run's bytes
-do not depend on timing, so each run is a resumable branch like SFT's (`resumable.py`):
-`interrupt` stops after `interrupt_step` optimizer steps and saves, `resume` rebuilds that
-checkpoint in a fresh process, finishes and exports the policy, `continuous` runs straight
-through (checkpointing each quarter of its planned steps, whose adapters it keeps for the
-over-optimisation curve, `snapshots.py`), and `grpo_<run>_resume_check` compares the two final
-states bit for bit.
-
-A state is the engine's final checkpoint, decoded (adapter, AdamW state, torch RNG, counters,
-rollout cursor and weight version), its files as bytes (a resume starts from exactly what the
-engine wrote, older served versions included) and the history: every metrics window, with the
-keys that do not depend on timing (`metrics.reproducible`). Timings stay out of every output:
-the whole windows go to the stage's `logs/<stage>-metrics.jsonl`, wall time to its manifest.
-The run's held-out evaluation is the generate/evaluate rules, shared with SFT and PPO.
+do not depend on timing, so each run is a resumable branch like SFT's: `interrupt` stops after
+`interrupt_step` optimizer steps, `resume` finishes it in a fresh process and exports the
+policy, `continuous` runs straight through (checkpointing each quarter of its planned steps,
+whose adapters it keeps for the over-optimisation curve, `snapshots.py`). A state is the
+engine's final checkpoint, decoded, its files as bytes, and every metrics window's keys that do
+not depend on timing (`metrics.reproducible`); timings go to `logs/<stage>-metrics.jsonl`.
 """
 
 from __future__ import annotations

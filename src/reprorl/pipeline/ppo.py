@@ -5,24 +5,17 @@ exhausted), sample one response each from the actor, the 4 decoded together by t
 batch-invariant engine (`sampling.sample_many`; temperature 1, full vocabulary, response <= 64
 tokens, each with its own generator seeded from the run's) recording the behaviour log-probs,
 then score the visited prefixes with the reference (log-probs) and the critic (values) and the
-finished responses with the reward model, all detached for the targets. Targets come from
-`objectives`; then 2 updates of the actor and of the critic (two AdamW optimisers) on that
-same batch, the old log-probs and values never replaced. 100 iterations: 400 responses, 200
-actor and 200 critic updates.
+finished responses with the reward model, all detached for the targets (`losses`); then 2
+updates of the actor and of the critic (two AdamW optimisers) on that same batch, the old
+log-probs and values never replaced; the critic's values and the re-scoring before the first
+update are that update's own forwards (kept with their graph). 100 iterations: 400 responses,
+200 actor and 200 critic updates.
 
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no
 rollout is ever pending in a state; `resume` runs the last 60 in a fresh process; `continuous`
 runs 100 and keeps the actor's adapters after iterations 25, 50, 75 and 100 for the
-over-optimisation curve (`snapshots.py`, `curves.py`). `ppo_resume_check` passes only on
-bitwise equality of the two final states.
-Departures from the seed: sampling uses preallocated KV slots and decodes the 4 responses
-together (the seed recomputes the prefix per token, one response at a time: same distribution,
-same tokens, 3.5x faster, `benchmarks/sampling.py`); the 4 responses of an iteration are
-scored in one left-padded batch; the critic's values and the re-scoring before the first update
-are that update's own forwards (kept with their graph), so actor and critic forward twice per
-iteration, not three times: the `critic_values` and `teacher_forced_rescoring` phase timings
-include building those graphs (the first update's `*_optimisation` time has no forward), and
-both graphs are alive at once until the critic's first update.
+over-optimisation curve (`snapshots.py`, `curves.py`). docs/pipeline.md lists where it departs
+from the seed.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ from reprorl.core.manifest import (
 )
 from reprorl.core.progress import progress
 from reprorl.core.state import seed_everything
-from reprorl.model import losses as objectives
-from reprorl.model import roles
+from reprorl.model import losses, roles
 from reprorl.model.encoding import Example, collate, load_tokenizer, prompt_ids
 from reprorl.model.schedule import linear_warmup_decay
 
@@ -147,9 +139,9 @@ def collect(roles_: dict, tokenizer, pages: list[dict], iteration: int, generato
     values, logp_now = values_live.detach(), logp_live.detach()
     logp_old = right_aligned([s.logprobs for s in samples], width, device)
     cut = torch.tensor([s.finish_reason == "cut" for s in samples], device=device)
-    rewards = objectives.token_rewards(logp_old, logp_ref, mask, scores, cut,
+    rewards = losses.token_rewards(logp_old, logp_ref, mask, scores, cut,
                                      settings["kl_coef"], settings["cut_penalty"])
-    advantages, returns = objectives.gae(rewards, values * mask, mask,
+    advantages, returns = losses.gae(rewards, values * mask, mask,
                                        settings["gamma"], settings["lam"])
     per_token = {name: masked_rows(x, mask) for name, x in (
         ("behaviour_logprobs", logp_old), ("reference_logprobs", logp_ref), ("values", values),
@@ -184,14 +176,14 @@ def update(roles_: dict, optimizers: dict, tensors: dict, lrs: dict, settings: d
         optimizer.zero_grad(set_to_none=True)
     with timer("actor_optimisation"):
         logp = first["actor"] if first else roles_["actor"].token_logprobs(batch)[0]
-        loss, stats = objectives.actor_loss(logp, tensors["logp_old"], tensors["advantages"],
+        loss, stats = losses.actor_loss(logp, tensors["logp_old"], tensors["advantages"],
                                           mask, settings["clip_epsilon"])
         stats["actor_loss"] = float(loss.detach())
         stats["actor_grad_norm"] = optimizer_step(optimizers["actor"], lrs["actor"], loss,
                                                   settings["max_grad_norm"], "PPO actor")
     with timer("critic_optimisation"):
         values = first["critic"] if first else roles_["critic"].values(batch)[0]
-        loss = objectives.critic_loss(values, tensors["returns"], mask)
+        loss = losses.critic_loss(values, tensors["returns"], mask)
         stats["critic_loss"] = float(loss.detach())
         stats["critic_grad_norm"] = optimizer_step(optimizers["critic"], lrs["critic"], loss,
                                                    settings["max_grad_norm"], "PPO critic")

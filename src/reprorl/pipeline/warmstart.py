@@ -3,23 +3,15 @@
 SFT (actor role): 168 demonstrations x 3 epochs, 8 examples per update -> 63 updates.
 Cross-entropy on response tokens (EOS included); prompt and padding masked by position; each
 update divides the summed token losses of its 8 examples by their total response tokens (not a
-mean of per-example means).
+mean of per-example means), the 8 in one left-padded batch.
 Reward model (reward role): 840 train pairs x 2 epochs, 8 pairs per update -> 210 updates.
 Bradley-Terry loss -mean(logsigmoid(r_chosen - r_rejected)), the score read at the last
-response token.
+response token; the 8 pairs are 8 packed rows (`encoding.collate_pairs`).
 Both: AdamW, linear warm-up over 10 % of updates then linear decay to 10 %, gradient norm
 clipped at 1. Validation (180 pairs) is measured after each epoch and never used to select.
-
-Modes (one Snakemake rule each, `resumable.py`): `interrupt` stops after epoch 1 and saves a
-complete state; `resume` loads it in a fresh process, checks its identity and finishes;
-`continuous` runs straight through; `<branch>_resume_check` passes only if the two final states
-are bitwise equal. The losses are `objectives.sft_loss` and `objectives.bradley_terry_loss`.
-Departures from the seed: the 8 examples of an SFT update go through one left-padded batch
-instead of 8 single-example passes (same loss; position ids keep each sequence's positions
-unchanged); the 8 pairs of a reward update are 8 packed rows (`encoding.collate_pairs`: the
-prompt once, then each response seeing only the prompt and itself), about 45 % fewer tokens
-than 16 padded sequences and about half the time, with the same scores up to float rounding
-(`tests/test_roles.py`).
+The losses are `losses.sft_loss` and `losses.bradley_terry_loss`; the modes are
+`resumable.py`'s (`interrupt` stops after epoch 1). docs/pipeline.md lists where it departs
+from the seed.
 """
 
 from __future__ import annotations
