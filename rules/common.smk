@@ -1,6 +1,6 @@
 # Shared helpers: config validation, every path from reprorl.core.layout, each stage's outputs,
 # threads and priority from its declaration in reprorl.core.stages, and the params each rule
-# carries.
+# carries. `python -m reprorl stages` lists what each rule declares, its files by name.
 #
 # Snakemake re-runs a job when its params change (rerun trigger "params"). Each rule therefore
 # passes (stage_params) `code`, the hash of the reprorl modules it runs, and `config`, the

@@ -42,6 +42,18 @@ def run_stage(name: str, config: dict, threads: int) -> dict:
         return module.stage(name, config, run, log=_log)
 
 
+def declarations(config: dict) -> dict:
+    """The registry as a rule reads it, for `reprorl stages`."""
+    def paths(files: dict) -> dict:
+        return {name: [str(p) for p in path] if isinstance(path, list) else str(path)
+                for name, path in files.items()}
+
+    return {name: {"module": f"reprorl.{stage.module}", "config_keys": list(stage.config_keys),
+                   "threads": stages.threads(name, config), "priority": stage.priority,
+                   "outputs": paths(stages.outputs(name, config))}
+            for name, stage in STAGES.items() if name != "audit"}
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="reprorl", description=__doc__.splitlines()[0])
     commands = top.add_subparsers(dest="command", required=True)
@@ -54,6 +66,11 @@ def parser() -> argparse.ArgumentParser:
                          help="torch threads (default: what the stage's rule declares)")
     commands.add_parser("serve", add_help=False,
                         help="vLLM-compatible generation server (reprorl serve --help)")
+    listing = commands.add_parser(
+        "stages", help="every stage's declaration: module, config keys, threads, priority and "
+                       "the files it writes (what each Snakemake rule declares)")
+    listing.add_argument("--config", default="configs/default.yaml",
+                         help="YAML profile the paths and threads follow")
     audit = commands.add_parser("audit", help="re-hash every file named by every manifest")
     audit.add_argument("--manifests", default=str(layout.MANIFESTS))
     costs = commands.add_parser(
@@ -87,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "audit":
             result = audit_manifests(args.manifests)
+        elif args.command == "stages":
+            result = declarations(configuration.load(args.config))
         elif args.command == "costs":
             from reprorl.pipeline.evaluate import costs
 

@@ -27,9 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from reprorl.serve import (
-    server as embedded_server_module,  # started by module name; imported for the code hash
-)
+# started by module name (`python -m`); imported so that the code hash covers it
+from reprorl.serve import server as embedded_server_module
 from reprorl.serve.client import ServerAdmin
 
 from .processes import ServerProcess, WorkerHandle, WorkerSignals

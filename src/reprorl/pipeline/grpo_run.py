@@ -34,10 +34,7 @@ from reprorl.core.manifest import (
     cpu_seconds,
     gpu_memory,
     peak_rss_mb,
-    refuse_to_overwrite,
-    write_json,
 )
-from reprorl.core.state import save_state
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, checkpoints
 from reprorl.grpo.distributed import ranks_from_env
 from reprorl.grpo.metrics import metrics_file, read_windows, reproducible
@@ -45,8 +42,8 @@ from reprorl.model import lora, roles
 from reprorl.model.encoding import Example, collate, load_tokenizer, prompt_ids
 
 from . import corpus, snapshots
-from .exports import load_final, save_final, verified_final
-from .resumable import interrupt_state
+from .exports import load_final, verified_final
+from .resumable import Branch
 from .rubric import evaluate_response
 
 
@@ -179,6 +176,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     cut_penalty, server_url, nproc = (config["grpo"][k] for k in PIPELINE_KEYS)
     branch = f"grpo_{run}"
     stage_name = f"{branch}_{mode}"
+    run_of = Branch(branch, mode)
     output_dir = layout.grpo_output_dir(branch, mode)
     tokenizer = load_tokenizer(config["model"]["path"])
     rows = dataset(run)
@@ -203,10 +201,10 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                          f"grpo.nproc_per_node is {nproc}: launch it as its rule does (torchrun "
                          f"--nproc-per-node {nproc}), or set grpo.nproc_per_node")
     if ranks.main:
-        refuse_to_overwrite(layout.state(branch, mode))  # inputs are sound: checkpoints kept
+        run_of.refuse_to_overwrite()  # inputs are sound: checkpoints kept
         shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     stop, planned = interrupt_step(args, len(rows)), planned_steps(args, len(rows))
-    if mode == "continuous":  # a checkpoint at each curve point: its adapter is kept
+    if run_of.keeps_snapshots:  # a checkpoint at each curve point: its adapter is kept
         args.save_steps = snapshots.every(planned)
         args.save_total_limit = None
     identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
@@ -218,8 +216,8 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     if config["model"]["device"] != "cpu":  # likewise a CPU run's; bits depend on the device
         identity["device"] = config["model"]["device"]
     windows, resume_from = [], None
-    if mode == "resume" and ranks.main:
-        saved = interrupt_state(branch, identity)
+    if run_of.resumes and ranks.main:
+        saved = run_of.start(identity)
         windows = saved["progress"]["history"]
         resume_from = restore_checkpoint(saved, output_dir)
     resume_from = ranks.share(resume_from)  # the others read it once rank 0 has written it
@@ -232,7 +230,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from,
-                           interrupt_after_step=stop if mode == "interrupt" else None)
+                           interrupt_after_step=run_of.stop(stop, None))
     seconds = time.perf_counter() - started
     # every rank's cost, gathered before the others leave, so the manifest counts them all
     rank_costs = ranks.gather(own_costs())
@@ -247,13 +245,11 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                          "unchanged")
     metrics = metrics_file(output_dir)
     windows = windows + history(metrics)
-    storage = save_state(layout.state(branch, mode), engine_state(
+    storage = run_of.save(engine_state(
         identity, checkpoints.directory(output_dir, result.global_step), windows))
     atomic_write_bytes(layout.metrics_log(stage_name),
                        metrics.read_bytes() if metrics.is_file() else b"")
-    if mode == "resume":
-        save_final(actor, branch, identity, config)
-    if mode == "continuous":
+    if run_of.keeps_snapshots:
         with atomic_directory(layout.snapshots(branch)) as folder:
             snapshots.write_plan(folder, planned)
             for checkpoint in checkpoints.found(output_dir):
@@ -286,7 +282,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                 "replays bit for bit (timings, in logs/ and the manifest, excepted)",
     }
     # costs vary run to run: they go to the manifest's run section, not into this file
-    write_json(layout.learning_report(branch, mode), report)
+    run_of.finish(report, identity, config, {branch: actor})
     return {**report, "seconds": seconds, "other_ranks": rank_costs[1:]}
 
 

@@ -35,7 +35,6 @@ from reprorl.core.manifest import (
     peak_rss_mb,
     read_json,
     record_read,
-    refuse_to_overwrite,
     write_json,
 )
 from reprorl.core.progress import progress
@@ -45,8 +44,8 @@ from reprorl.model.encoding import Example, collate, load_tokenizer, prompt_ids
 from reprorl.model.schedule import linear_warmup_decay
 
 from . import corpus, snapshots
-from .exports import load_final, save_final
-from .resumable import ResumableRun, optimizer_step
+from .exports import load_final
+from .resumable import Branch, ResumableRun, optimizer_step
 from .rubric import evaluate_response
 
 ITERATIONS, INTERRUPT_AT, PROMPTS_PER_ITERATION, UPDATES_PER_BATCH = 100, 40, 4, 2
@@ -245,6 +244,7 @@ def consume(state: dict, entry: dict) -> None:
 
 
 def train(config: dict, mode: str, log=print) -> dict:
+    branch = Branch("ppo", mode)
     settings, limits = config["ppo"], config["limits"]
     seed_everything(settings["seed"])
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -260,19 +260,19 @@ def train(config: dict, mode: str, log=print) -> dict:
     schedule = functools.partial(learning_rates, settings)
     prompt_generator = torch.Generator().manual_seed(settings["prompt_seed"])
     generation = torch.Generator().manual_seed(settings["generation_seed"])
-    run = ResumableRun("ppo", identity(config, initial), roles_, optimizers,
+    run = ResumableRun(branch, identity(config, initial), roles_, optimizers,
                        {"prompts": prompt_generator, "generation": generation}, schedule)
     updates = 0
     state = {"order": [], "cursor": 0, "iteration": 0, "history": [], "consumed": []}
-    if mode == "resume":
+    if branch.resumes:
         updates, state = run.resume()
-    stop = INTERRUPT_AT if mode == "interrupt" else ITERATIONS
+    stop = branch.stop(INTERRUPT_AT, ITERATIONS)
     timer = PhaseTimer()
     started = time.perf_counter()
     bar = progress(ITERATIONS, f"ppo {mode}", initial=state["iteration"])
     # the iteration files (and a straight run's snapshots) appear under their final folders
     # only once the run has finished
-    keep_at = snapshots.points(ITERATIONS) if mode == "continuous" else []
+    keep_at = snapshots.points(ITERATIONS) if branch.keeps_snapshots else []
     kept = atomic_directory(layout.snapshots("ppo")) if keep_at else contextlib.nullcontext()
     with atomic_directory(layout.rollouts(mode)) as rollout_dir, kept as snapshot_dir:
         if keep_at:
@@ -299,7 +299,7 @@ def train(config: dict, mode: str, log=print) -> dict:
                     f"{entry['mean_reward_model_score']:.3f}, {seconds:.0f}s")
     bar.close()
     seconds = time.perf_counter() - started
-    storage = run.save(mode, updates, state)
+    storage = run.save(updates, state)
     final = {name: roles.learned_identity(role) for name, role in roles_.items()}
     costs = {"seconds": seconds, "phase_seconds": timer.seconds, "peak_rss_mb": peak_rss_mb()}
     report = {"mode": mode, "iterations": state["iteration"], "updates_per_optimizer": updates,
@@ -310,10 +310,8 @@ def train(config: dict, mode: str, log=print) -> dict:
                                 "ones used; rescoring_gap is their largest difference from a "
                                 "teacher-forced pass before the first update"}
     # costs vary run to run: they go to the manifest's run section, not into this file
-    write_json(layout.learning_report("ppo", mode), report)
-    if mode == "resume":
-        save_final(roles_["actor"], "ppo", run.identity, config)
-        save_final(roles_["critic"], "critic", run.identity, config)
+    branch.finish(report, run.identity, config,
+                  {"ppo": roles_["actor"], "critic": roles_["critic"]})
     return {"mode": mode, "iterations": state["iteration"], "updates_per_optimizer": updates,
             "costs": costs}
 
@@ -362,7 +360,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         run.finish(summary=summary)
         return summary
     mode = name.removeprefix("ppo_")
-    refuse_to_overwrite(layout.state("ppo", mode))
+    Branch("ppo", mode).refuse_to_overwrite()
     summary = train(config, mode, log)
     costs = summary.pop("costs")
     run.finish(summary=summary, run_info=costs)

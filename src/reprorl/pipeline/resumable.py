@@ -1,7 +1,11 @@
-"""One resumable-run mechanism for SFT, the reward model and PPO.
+"""The resumable training branches: one runner for their three modes, one resume state.
 
-A training branch runs in three modes (`stages.MODES`); what makes `resume` end exactly where
-`continuous` does is that the resume state holds everything the rest of the run depends on:
+A training branch (SFT, the reward model, PPO, each GRPO run) runs in three modes, one rule
+each (`Branch` says what each mode does): `interrupt` stops at the branch's interrupt point and
+saves its state, `resume` continues from that state in a fresh process and exports the
+branch's final roles, `continuous` runs straight through. What makes `resume` end exactly where
+`continuous` does is that the state holds everything the rest of the run depends on (a GRPO
+run's state holds its trainer's checkpoint instead, `grpo_run.py`); for the others:
 - `identity`: config, data, base model, code and initial tensors; a resume under another
   identity stops and names the first difference;
 - `learned`: every role's adapters and heads (frozen roles too, to prove they stayed frozen);
@@ -16,13 +20,14 @@ every role without an optimiser is unchanged and every trained role moved, then 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from reprorl.core import layout
 from reprorl.core.errors import ReproError
-from reprorl.core.manifest import sha256_file, write_json
+from reprorl.core.manifest import refuse_to_overwrite, sha256_file, write_json
+from reprorl.core.stages import CURVES, MODES, resumable
 from reprorl.core.state import first_difference, load_state, restore_rng, rng_state, save_state
 from reprorl.model.roles import (
     Role,
@@ -31,6 +36,56 @@ from reprorl.model.roles import (
     learned_state,
     load_learned,
 )
+
+from .exports import save_final
+
+
+class Branch(NamedTuple):
+    """One run of a training branch (`stages.EXPORTS`' names) in one of `stages.MODES`."""
+
+    name: str
+    mode: str
+
+    @classmethod
+    def of(cls, stage: str) -> Branch:
+        """The branch a stage runs (`sft_interrupt`, `grpo_learned_resume`, ...)."""
+        found = resumable(stage)
+        if found is None or found[1] not in MODES:
+            raise ReproError(f"{stage} is not a training branch's stage")
+        return cls(*found)
+
+    @property
+    def resumes(self) -> bool:
+        return self.mode == "resume"
+
+    @property
+    def keeps_snapshots(self) -> bool:
+        """A straight run keeps its actor at the curve's points (`snapshots.py`)."""
+        return self.mode == "continuous" and self.name in CURVES
+
+    def stop(self, interrupt_at: int, end: int) -> int:
+        """Where this run stops: the interrupt point, or the end."""
+        return interrupt_at if self.mode == "interrupt" else end
+
+    def refuse_to_overwrite(self) -> None:
+        """A state already written is preserved: move it away to run this mode again."""
+        refuse_to_overwrite(layout.state(*self))
+
+    def start(self, identity: dict) -> dict | None:
+        """The interrupt state a resume continues from (checked to be this run's), or None."""
+        return interrupt_state(self.name, identity) if self.resumes else None
+
+    def save(self, state: dict) -> dict:
+        """This run's final state, written whole; returns its storage record."""
+        return save_state(layout.state(*self), state)
+
+    def finish(self, report: dict, identity: dict, config: dict,
+               exports: dict[str, Role]) -> None:
+        """Write the learning report and, after a resume, the final exports (by name)."""
+        write_json(layout.learning_report(*self), report)
+        if self.resumes:
+            for name, role in exports.items():
+                save_final(role, name, identity, config)
 
 
 def interrupt_state(branch: str, identity: dict) -> dict:
@@ -45,7 +100,9 @@ def interrupt_state(branch: str, identity: dict) -> dict:
 
 
 class ResumableRun:
-    def __init__(self, branch: str, identity: dict, roles: dict[str, Role],
+    """The torch state of an SFT, reward-model or PPO run: saved whole, restored in order."""
+
+    def __init__(self, branch: Branch, identity: dict, roles: dict[str, Role],
                  optimizers: dict[str, torch.optim.Optimizer],
                  generators: dict[str, torch.Generator], schedule: Callable[[int], Any]):
         self.branch, self.identity, self.roles = branch, identity, roles
@@ -58,7 +115,7 @@ class ResumableRun:
 
     def resume(self) -> tuple[int, dict]:
         """Restore the interrupt state into this run; returns (updates, progress)."""
-        state = interrupt_state(self.branch, self.identity)
+        state = self.branch.start(self.identity)
         for name, role in self.roles.items():
             load_learned(role, state["learned"][name])
         for name, optimizer in self.optimizers.items():
@@ -67,21 +124,22 @@ class ResumableRun:
             generator.set_state(state["generators"][name])
         restore_rng(state["rng"])
         if state["scheduler"] != self.position(state["updates"]):
-            raise ReproError(f"the saved {self.branch} schedule position does not match this "
-                             "run's schedule")
+            raise ReproError(f"the saved {self.branch.name} schedule position does not match "
+                             "this run's schedule")
         return state["updates"], state["progress"]
 
-    def save(self, mode: str, updates: int, progress: dict) -> dict:
+    def save(self, updates: int, progress: dict) -> dict:
         """Check what must and must not have moved, then write the complete state."""
+        branch = self.branch.name
         for name, role in self.roles.items():
             learned, frozen = self.initial[name]
             if frozen_identity(role) != frozen:
-                raise ReproError(f"{self.branch}: the frozen base of the {name} role changed")
+                raise ReproError(f"{branch}: the frozen base of the {name} role changed")
             moved = learned_identity(role) != learned
             if name in self.optimizers and not moved:
-                raise ReproError(f"{self.branch}: training did not change the {name}")
+                raise ReproError(f"{branch}: training did not change the {name}")
             if name not in self.optimizers and moved:
-                raise ReproError(f"{self.branch}: the frozen {name} role changed")
+                raise ReproError(f"{branch}: the frozen {name} role changed")
         state = {
             "identity": self.identity,
             "learned": {name: {n: t.detach().clone() for n, t in learned_state(role).items()}
@@ -93,7 +151,7 @@ class ResumableRun:
             "scheduler": self.position(updates),
             "progress": progress,
         }
-        return save_state(layout.state(self.branch, mode), state)
+        return self.branch.save(state)
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr: float, loss: torch.Tensor,

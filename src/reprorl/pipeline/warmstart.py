@@ -24,7 +24,7 @@ import torch
 from reprorl.core import layout
 from reprorl.core.codehash import code_hash
 from reprorl.core.errors import ReproError
-from reprorl.core.manifest import hash_paths, peak_rss_mb, refuse_to_overwrite, write_json
+from reprorl.core.manifest import hash_paths, peak_rss_mb
 from reprorl.core.progress import progress
 from reprorl.core.state import seed_everything
 from reprorl.model import roles
@@ -33,8 +33,7 @@ from reprorl.model.losses import bradley_terry_loss, sft_loss
 from reprorl.model.schedule import linear_warmup_decay
 
 from . import corpus
-from .exports import save_final
-from .resumable import ResumableRun, optimizer_step
+from .resumable import Branch, ResumableRun, optimizer_step
 
 EPOCHS = {"sft": 3, "reward": 2}
 POPULATION = {"sft": 168, "reward": 840}
@@ -135,6 +134,7 @@ def identity(config: dict, branch: str, role) -> dict:
 
 
 def train(config: dict, branch: str, mode: str, log=print) -> dict:
+    run_of = Branch(branch, mode)
     settings = config[branch]
     seed_everything(settings["seed"])
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -151,13 +151,13 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     schedule = lambda step: linear_warmup_decay(  # noqa: E731
         step, total, settings["learning_rate"], settings["warmup_ratio"],
         settings["final_lr_ratio"])
-    run = ResumableRun(branch, identity(config, branch, role), {ROLE[branch]: role},
+    run = ResumableRun(run_of, identity(config, branch, role), {ROLE[branch]: role},
                        {ROLE[branch]: optimizer}, {"sampler": sampler}, schedule)
     updates, progress_ = 0, {"epoch": 0, "history": [], "validation_history": []}
-    if mode == "resume":
+    if run_of.resumes:
         updates, progress_ = run.resume()
     history, validation_history = progress_["history"], progress_["validation_history"]
-    stop = INTERRUPT_AFTER_EPOCHS if mode == "interrupt" else EPOCHS[branch]
+    stop = run_of.stop(INTERRUPT_AFTER_EPOCHS, EPOCHS[branch])
     pad_id, tokens_seen = tokenizer.pad_token_id, 0
     started = time.perf_counter()
     bar = progress(total, f"{branch} {mode}", initial=updates)
@@ -182,8 +182,8 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
             f"loss {history[-1]['loss']:.4f}, validation {validation_history[-1]}")
     bar.close()
     seconds = time.perf_counter() - started
-    storage = run.save(mode, updates, {"epoch": stop, "history": history,
-                                       "validation_history": validation_history})
+    storage = run.save(updates, {"epoch": stop, "history": history,
+                                 "validation_history": validation_history})
     report = {
         "branch": branch, "mode": mode, "epochs_completed": stop, "updates": updates,
         "total_updates": total, "history": history, "validation_history": validation_history,
@@ -194,15 +194,13 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     costs = {"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
              "tokens_per_second": tokens_seen / seconds if seconds else None}
     # costs vary run to run: they go to the manifest's run section, not into this file
-    write_json(layout.learning_report(branch, mode), report)
-    if mode == "resume":
-        save_final(role, branch, run.identity, config)
+    run_of.finish(report, run.identity, config, {branch: role})
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     branch, _, mode = name.partition("_")
-    refuse_to_overwrite(layout.state(branch, mode))
+    Branch(branch, mode).refuse_to_overwrite()
     summary = train(config, branch, mode, log)
     costs = summary.pop("costs")
     run.finish(summary=summary, run_info=costs)
