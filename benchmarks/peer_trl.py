@@ -102,7 +102,7 @@ from reprorl.core import config as configuration
 from reprorl.core import layout
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 from reprorl.grpo.metrics import metrics_file, read_windows
-from reprorl.grpo.rollout import epoch_order
+from reprorl.grpo.rows import epoch_order
 from reprorl.model.encoding import load_tokenizer
 from reprorl.pipeline import exports
 from reprorl.pipeline.grpo_run import RubricVerifier, dataset, engine_settings

@@ -256,12 +256,12 @@ def test_audit_target_passes(workflow):
         ("pipeline/evaluate.py", {"reward_test", "evaluate", "exercise", "report"}),
         # the measurement only: the snapshots it reads come from pipeline/snapshots.py
         ("pipeline/curves.py", {"sft_validation", "curve_ppo", "curve_grpo_verifier",
-                       "curve_grpo_learned", "evaluate", "report"}),
+                                "curve_grpo_learned", "evaluate", "report"}),
         # PPO and GRPO start from the warm start
         ("pipeline/warmstart.py", WARMSTART | PPO | GRPO | JUDGING),
         ("pipeline/base_model.py", {"base_model"} | WARMSTART | PPO | GRPO | JUDGING),
-        ("pipeline/rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO | GRPO
-         | JUDGING),
+        ("pipeline/rubric.py", {"prepare", "base_model", "generation_inputs"} | WARMSTART | PPO
+         | GRPO | JUDGING),
         ("model/grpo_losses.py", GRPO | {"evaluate", "exercise", "report"}),
         ("cli.py", set()),
     ],

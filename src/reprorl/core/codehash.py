@@ -20,7 +20,6 @@ from .stages import STAGES
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # src/reprorl
 
 
-
 def _module_file(name: str) -> Path:
     path = PACKAGE_DIR.joinpath(*name.split(".")).with_suffix(".py")
     return path if path.is_file() else PACKAGE_DIR.joinpath(*name.split("."), "__init__.py")

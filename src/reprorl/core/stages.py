@@ -44,8 +44,8 @@ CURVES = POLICIES[1:]
 # times of a fresh clone's default run on 2 cores (887aed2). So each branch's interrupt ->
 # resume chain, whose exports the rest waits for, goes before its straight run, which only its
 # check reads; left to itself Snakemake once started the GRPO verifier chain last, which then
-# ran alone for 2 min. It orders jobs only: no output depends on it. Jobs near the end of
-# every path keep 1.
+# ran alone for 2 min. It orders jobs only: no output depends on it (though, this module being
+# in every stage's code hash, editing it re-runs them). Jobs near the end of every path keep 1.
 PRIORITY = {
     "base_model": 59, "prepare": 37,
     "reward_interrupt": 37, "reward_resume": 31, "reward_continuous": 14,
@@ -86,7 +86,7 @@ def _branch(branch: str, mode: str) -> Callable[[dict], Files]:
         files["snapshots"] = layout.snapshots(branch)
     if mode == "resume":
         files |= _exports(EXPORTS[branch])
-    return lambda config: files
+    return lambda config: dict(files)  # a copy: a caller may add to it
 
 
 def _base_model(config: dict) -> Files:
@@ -97,7 +97,7 @@ def _base_model(config: dict) -> Files:
 
 
 def _fixed(**files: Path | list[Path]) -> Callable[[dict], Files]:
-    return lambda config: files
+    return lambda config: dict(files)  # a copy: a caller may add to it
 
 
 TRAINING = ("model", "limits")  # what every stage that runs a model reads

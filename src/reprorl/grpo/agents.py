@@ -4,7 +4,7 @@ A tool is a module-level Python function (sync or async), called by its `__name_
 schema comes from its type hints and Google-style docstring (transformers' `get_json_schema`,
 the schema `apply_chat_template(tools=...)` renders). An environment is a class (or any
 factory) with `reset(**row)`, an optional `get_reward()`, and public methods that are its
-tools. The rollout loop (`rollout.py`) keeps one instance per rollout in flight, reused across
+tools. The rollout worker (`worker.py`) keeps one instance per rollout in flight, reused across
 episodes (`EnvironmentPool`), and runs the tool loop turn by turn.
 
 A tool call is written as Qwen2.5 writes it, and as the embedded model's template renders it:

@@ -33,7 +33,8 @@ from .weight_sync import version_folder
 PREFIX = "checkpoint-"
 TRAINER_STATE = "trainer_state.pt"
 ROLLOUT_STATE = "rollout_state.json"
-VERSIONS = "versions"  # a fixed schedule's older versions, as `weights.version_folder` lays them
+# a fixed schedule's older versions, as `weight_sync.version_folder` lays them
+VERSIONS = "versions"
 
 
 def policy_folder(use_peft: bool) -> str:

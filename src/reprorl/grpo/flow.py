@@ -109,7 +109,7 @@ class FlowControl:
             if version is None:
                 room = self.room_for_group()
             else:  # the version that samples this position is published, and a step of the
-                # call can still train it (`AsyncGRPOTrainer._position_limit`)
+                # call can still train it (`TrainerLifecycle._position_limit`)
                 room = self.model_version.value >= version and self.trainable(position)
             if room and self.in_flight_rollouts + self.config.num_generations <= max(
                     self.cap, self.config.num_generations):

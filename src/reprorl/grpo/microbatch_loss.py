@@ -5,8 +5,9 @@ forwards keep only the positions some sample reads (`kept_logits`), and `batch.i
 them into per-sample columns (B, W, V). From there every quantity is per trained token, whatever
 the layout: the policy's log-prob at the sampler's temperature (under the server's repetition
 penalty when there is one, and renormalised over the sampler's candidate set under
-top-k/top-p/min-p), the importance weights and the loss of `loss.py`, and the seed's sampling
-metrics. `sequence_logprobs` scores one sequence the same way for the weight-sync canary.
+top-k/top-p/min-p), the importance weights and the loss of `model/grpo_losses.py`, and the
+seed's sampling metrics. `sequence_logprobs` scores one sequence the same way for the
+weight-sync canary.
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ def penalise_columns(columns: torch.Tensor, batch: MicroBatch, penalty: float) -
 def microbatch_loss(model, args: AsyncGRPOConfig, batch: MicroBatch,
                     trained_tokens: int | None = None, forward=None
                     ) -> tuple[torch.Tensor, dict]:
-    """The micro-batch's loss (`loss.py`: its trained tokens' terms summed, divided by their
-    count, or by `trained_tokens`, those of its slot on every rank) and the seed's sampling
-    metrics. The forwards run on the batch's layout (tree rows, or padded rows); their kept
-    logits are gathered into per-sample columns (B, W, V) by `batch.index`, so every per-token
-    quantity below is computed per trained token, whatever the layout."""
+    """The micro-batch's loss (`model/grpo_losses.py`: its trained tokens' terms summed,
+    divided by their count, or by `trained_tokens`, those of its slot on every rank) and the
+    seed's sampling metrics. The forwards run on the batch's layout (tree rows, or padded
+    rows); their kept logits are gathered into per-sample columns (B, W, V) by `batch.index`,
+    so every per-token quantity below is computed per trained token, whatever the layout."""
     with autocast_for(args, batch.targets.device):
         logits = kept_logits(model, batch, forward)
     # Unpenalised: log_softmax on the kept positions once, then one copy per column.

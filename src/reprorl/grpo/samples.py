@@ -1,6 +1,6 @@
 """What a rollout produces and what reaches the trainer, as plain data.
 
-The worker (`rollout.py`) records each sampling request as a `TurnRecord`; a finished
+The worker (`worker.py`) records each sampling request as a `TurnRecord`; a finished
 `Rollout` holds a completion's turns; `reconcile_turns` turns them into `TrainingSequence`s
 (context plus trained tokens, each with what the sampler saw), a new sequence wherever a turn's
 prompt does not extend the one before (a multi-turn fork). A prompt's `num_generations`

@@ -176,7 +176,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     cut_penalty, server_url, nproc = (config["grpo"][k] for k in PIPELINE_KEYS)
     branch = f"grpo_{run}"
     stage_name = f"{branch}_{mode}"
-    run_of = Branch(branch, mode)
+    branch_run = Branch(branch, mode)
     output_dir = layout.grpo_output_dir(branch, mode)
     tokenizer = load_tokenizer(config["model"]["path"])
     rows = dataset(run)
@@ -201,10 +201,10 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                          f"grpo.nproc_per_node is {nproc}: launch it as its rule does (torchrun "
                          f"--nproc-per-node {nproc}), or set grpo.nproc_per_node")
     if ranks.main:
-        run_of.refuse_to_overwrite()  # inputs are sound: checkpoints kept
+        branch_run.refuse_to_overwrite()  # inputs are sound: checkpoints kept
         shutil.rmtree(output_dir, ignore_errors=True)  # inputs are sound: a re-run starts afresh
     stop, planned = interrupt_step(args, len(rows)), planned_steps(args, len(rows))
-    if run_of.keeps_snapshots:  # a checkpoint at each curve point: its adapter is kept
+    if branch_run.keeps_snapshots:  # a checkpoint at each curve point: its adapter is kept
         args.save_steps = snapshots.every(planned)
         args.save_total_limit = None
     identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
@@ -216,8 +216,8 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     if config["model"]["device"] != "cpu":  # likewise a CPU run's; bits depend on the device
         identity["device"] = config["model"]["device"]
     windows, resume_from = [], None
-    if run_of.resumes and ranks.main:
-        saved = run_of.start(identity)
+    if branch_run.resumes and ranks.main:
+        saved = branch_run.start(identity)
         windows = saved["progress"]["history"]
         resume_from = restore_checkpoint(saved, output_dir)
     resume_from = ranks.share(resume_from)  # the others read it once rank 0 has written it
@@ -230,7 +230,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=resume_from,
-                           interrupt_after_step=run_of.stop(stop, None))
+                           interrupt_after_step=branch_run.stop(stop, None))
     seconds = time.perf_counter() - started
     # every rank's cost, gathered before the others leave, so the manifest counts them all
     rank_costs = ranks.gather(own_costs())
@@ -245,11 +245,12 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                          "unchanged")
     metrics = metrics_file(output_dir)
     windows = windows + history(metrics)
-    storage = run_of.save(engine_state(
+    storage = branch_run.save(engine_state(
         identity, checkpoints.directory(output_dir, result.global_step), windows))
     atomic_write_bytes(layout.metrics_log(stage_name),
                        metrics.read_bytes() if metrics.is_file() else b"")
-    if run_of.keeps_snapshots:
+    branch_run.export(identity, config, {branch: actor})
+    if branch_run.keeps_snapshots:
         with atomic_directory(layout.snapshots(branch)) as folder:
             snapshots.write_plan(folder, planned)
             for checkpoint in checkpoints.found(output_dir):
@@ -282,7 +283,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
                 "replays bit for bit (timings, in logs/ and the manifest, excepted)",
     }
     # costs vary run to run: they go to the manifest's run section, not into this file
-    run_of.finish(report, identity, config, {branch: actor})
+    branch_run.report(report)
     return {**report, "seconds": seconds, "other_ranks": rank_costs[1:]}
 
 
@@ -293,8 +294,8 @@ def own_costs() -> dict:
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
-    branch_run, mode = name.removeprefix("grpo_").rsplit("_", 1)
-    summary = train(config, branch_run, mode, log)
+    run_name, mode = name.removeprefix("grpo_").rsplit("_", 1)
+    summary = train(config, run_name, mode, log)
     if summary is None:  # a torchrun rank other than 0: rank 0 writes the manifest
         run.leave_to_another_process()
         return {"rank": ranks_from_env().rank}

@@ -244,7 +244,7 @@ def consume(state: dict, entry: dict) -> None:
 
 
 def train(config: dict, mode: str, log=print) -> dict:
-    branch = Branch("ppo", mode)
+    branch_run = Branch("ppo", mode)
     settings, limits = config["ppo"], config["limits"]
     seed_everything(settings["seed"])
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -260,19 +260,19 @@ def train(config: dict, mode: str, log=print) -> dict:
     schedule = functools.partial(learning_rates, settings)
     prompt_generator = torch.Generator().manual_seed(settings["prompt_seed"])
     generation = torch.Generator().manual_seed(settings["generation_seed"])
-    run = ResumableRun(branch, identity(config, initial), roles_, optimizers,
+    run = ResumableRun(branch_run, identity(config, initial), roles_, optimizers,
                        {"prompts": prompt_generator, "generation": generation}, schedule)
     updates = 0
     state = {"order": [], "cursor": 0, "iteration": 0, "history": [], "consumed": []}
-    if branch.resumes:
+    if branch_run.resumes:
         updates, state = run.resume()
-    stop = branch.stop(INTERRUPT_AT, ITERATIONS)
+    stop = branch_run.stop(INTERRUPT_AT, ITERATIONS)
     timer = PhaseTimer()
     started = time.perf_counter()
     bar = progress(ITERATIONS, f"ppo {mode}", initial=state["iteration"])
     # the iteration files (and a straight run's snapshots) appear under their final folders
     # only once the run has finished
-    keep_at = snapshots.points(ITERATIONS) if branch.keeps_snapshots else []
+    keep_at = snapshots.points(ITERATIONS) if branch_run.keeps_snapshots else []
     kept = atomic_directory(layout.snapshots("ppo")) if keep_at else contextlib.nullcontext()
     with atomic_directory(layout.rollouts(mode)) as rollout_dir, kept as snapshot_dir:
         if keep_at:
@@ -310,8 +310,8 @@ def train(config: dict, mode: str, log=print) -> dict:
                                 "ones used; rescoring_gap is their largest difference from a "
                                 "teacher-forced pass before the first update"}
     # costs vary run to run: they go to the manifest's run section, not into this file
-    branch.finish(report, run.identity, config,
-                  {"ppo": roles_["actor"], "critic": roles_["critic"]})
+    branch_run.report(report)
+    branch_run.export(run.identity, config, {"ppo": roles_["actor"], "critic": roles_["critic"]})
     return {"mode": mode, "iterations": state["iteration"], "updates_per_optimizer": updates,
             "costs": costs}
 

@@ -27,7 +27,7 @@ import torch
 from reprorl.core import layout
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import refuse_to_overwrite, sha256_file, write_json
-from reprorl.core.stages import CURVES, MODES, resumable
+from reprorl.core.stages import CURVES
 from reprorl.core.state import first_difference, load_state, restore_rng, rng_state, save_state
 from reprorl.model.roles import (
     Role,
@@ -45,14 +45,6 @@ class Branch(NamedTuple):
 
     name: str
     mode: str
-
-    @classmethod
-    def of(cls, stage: str) -> Branch:
-        """The branch a stage runs (`sft_interrupt`, `grpo_learned_resume`, ...)."""
-        found = resumable(stage)
-        if found is None or found[1] not in MODES:
-            raise ReproError(f"{stage} is not a training branch's stage")
-        return cls(*found)
 
     @property
     def resumes(self) -> bool:
@@ -79,12 +71,14 @@ class Branch(NamedTuple):
         """This run's final state, written whole; returns its storage record."""
         return save_state(layout.state(*self), state)
 
-    def finish(self, report: dict, identity: dict, config: dict,
-               exports: dict[str, Role]) -> None:
-        """Write the learning report and, after a resume, the final exports (by name)."""
+    def report(self, report: dict) -> None:
+        """This run's learning report (its costs go to the manifest, not here)."""
         write_json(layout.learning_report(*self), report)
+
+    def export(self, identity: dict, config: dict, roles: dict[str, Role]) -> None:
+        """After a resume, the branch's final roles, by export name (`stages.EXPORTS`)."""
         if self.resumes:
-            for name, role in exports.items():
+            for name, role in roles.items():
                 save_final(role, name, identity, config)
 
 

@@ -134,7 +134,7 @@ def identity(config: dict, branch: str, role) -> dict:
 
 
 def train(config: dict, branch: str, mode: str, log=print) -> dict:
-    run_of = Branch(branch, mode)
+    branch_run = Branch(branch, mode)
     settings = config[branch]
     seed_everything(settings["seed"])
     tokenizer = load_tokenizer(config["model"]["path"])
@@ -151,13 +151,13 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     schedule = lambda step: linear_warmup_decay(  # noqa: E731
         step, total, settings["learning_rate"], settings["warmup_ratio"],
         settings["final_lr_ratio"])
-    run = ResumableRun(run_of, identity(config, branch, role), {ROLE[branch]: role},
+    run = ResumableRun(branch_run, identity(config, branch, role), {ROLE[branch]: role},
                        {ROLE[branch]: optimizer}, {"sampler": sampler}, schedule)
     updates, progress_ = 0, {"epoch": 0, "history": [], "validation_history": []}
-    if run_of.resumes:
+    if branch_run.resumes:
         updates, progress_ = run.resume()
     history, validation_history = progress_["history"], progress_["validation_history"]
-    stop = run_of.stop(INTERRUPT_AFTER_EPOCHS, EPOCHS[branch])
+    stop = branch_run.stop(INTERRUPT_AFTER_EPOCHS, EPOCHS[branch])
     pad_id, tokens_seen = tokenizer.pad_token_id, 0
     started = time.perf_counter()
     bar = progress(total, f"{branch} {mode}", initial=updates)
@@ -194,7 +194,8 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     costs = {"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
              "tokens_per_second": tokens_seen / seconds if seconds else None}
     # costs vary run to run: they go to the manifest's run section, not into this file
-    run_of.finish(report, run.identity, config, {branch: role})
+    branch_run.report(report)
+    branch_run.export(run.identity, config, {branch: role})
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
 
 

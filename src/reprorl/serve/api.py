@@ -13,8 +13,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from aiohttp import web
-
 from .engine import WORK, Engine
 from .logprobs import Params
 from .sequence import ApiError, Sequence
@@ -24,12 +22,11 @@ ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllo
                413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}
 
 
-def error_response(error: ApiError) -> web.Response:
-    """vLLM's JSON error body, with the error's status."""
+def error_body(error: ApiError) -> dict:
+    """vLLM's JSON error body (the response carries the error's status too)."""
     kind = ERROR_TYPES.get(error.status, "InternalServerError")
-    return web.json_response({"error": {"message": error.message, "type": kind,
-                                        "param": error.param, "code": error.status}},
-                             status=error.status)
+    return {"error": {"message": error.message, "type": kind, "param": error.param,
+                      "code": error.status}}
 
 
 def number(body: dict, key: str, default, kind=float):
@@ -224,8 +221,8 @@ def metrics(engine: Engine, name: str, max_loras: int) -> str:
         ("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
          [(f'block_size="16",{blocks}', 1)]),
     ]
-    table += [(f"reprorl:engine_{key}_total", "counter", text, [("", engine.work[key])])
-              for key, text in WORK.items()]
+    table += [(f"reprorl:engine_{key}_total", "counter", meaning, [("", engine.work[key])])
+              for key, meaning in WORK.items()]
     lines = []
     for metric, kind, text, samples in table:
         lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}"]

@@ -411,9 +411,11 @@ class Engine:
             together.setdefault(key, []).append(i)
         for rows in together.values():
             members = [seqs[i] for i in rows]
+            p = members[0].params
+            # the tokens a repetition penalty reads (a row with one is drawn alone)
+            seen = members[0].tokens if p.repetition_penalty != 1 else None
             try:
-                draws = draw(logits[rows], members[0].params,
-                             [seq.generator for seq in members], members[0].tokens)
+                draws = draw(logits[rows], p, [seq.generator for seq in members], seen)
             except Exception as error:
                 for seq in members:
                     self.fail(seq, error)

@@ -90,9 +90,9 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
 def draw(logits: torch.Tensor, p: Params, generators: list[torch.Generator],
          seen: list[int] | None) -> list[tuple | None]:
     """One token for each row of `logits`, all rows under the settings `p` (and, with a
-    repetition penalty, the one row's `seen` tokens): for each row (token, its log-prob, top
-    log-probs, rank, candidate ids), or None where its log-probs hold NaN."""
-    scores = processed_logprobs(logits, p, seen if p.repetition_penalty != 1 else None)
+    repetition penalty, the one row's `seen` tokens; None without one): for each row (token,
+    its log-prob, top log-probs, rank, candidate ids), or None where its log-probs hold NaN."""
+    scores = processed_logprobs(logits, p, seen)
     broken = torch.isnan(scores).any(-1).tolist()
     if p.temperature < GREEDY_EPS:
         tokens = scores.argmax(-1)

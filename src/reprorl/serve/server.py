@@ -39,7 +39,7 @@ from .adapters import Adapter
 from .api import (
     Reply,
     completion,
-    error_response,
+    error_body,
     generation,
     metrics,
     number,
@@ -57,6 +57,11 @@ log = logging.getLogger("reprorl.serve")
 
 
 WEIGHT_ROUTES = ("/collective_rpc", "/reset_prefix_cache")  # a Bearer key too, when one is set
+
+
+def error_response(error: ApiError) -> web.Response:
+    """vLLM's JSON error, with the error's status."""
+    return web.json_response(error_body(error), status=error.status)
 
 
 class Server:
@@ -77,7 +82,7 @@ class Server:
         self.weights = weight_targets(model)
         switches = install_switches(model)
         self.engine = EngineThread(model, switches, args.max_num_seqs, args.kv_cache_tokens,
-                             self.max_len, args.decode_rows)
+                                   self.max_len, args.decode_rows)
         self.piece = lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid], skip_special_tokens=False))
         # every tokenizer call runs here: off the event loop, one at a time (a fast tokenizer
