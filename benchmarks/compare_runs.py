@@ -1,12 +1,15 @@
 """Compare two runs of the pipeline bit for bit: every tensor of every checkpoint, snapshot and
 resume state under `assets/` (the base model's weights too), and `outputs/results-rows.csv`.
 
-    python benchmarks/compare_runs.py RUN_A RUN_B
+    python benchmarks/compare_runs.py RUN_A RUN_B          # two working directories
+    python benchmarks/compare_runs.py RUN --write FILE     # a run's digests, to compare later
+    python benchmarks/compare_runs.py RUN FILE             # a run against digests written so
 
-RUN_A and RUN_B are two working directories in which the same target ran (for example the CI
-profile from two commits, on the same machine: bits depend on the CPU). Resume states
-(`*.pt.gz`) are compared tensor by tensor, not byte by byte: they also hold the code's hash,
-which differs between commits by design. Prints what differs, and last one JSON line.
+A run is a working directory in which a target ran (the CI profile, say). Each tensor is
+digested with its dtype and shape; resume states (`*.pt.gz`) are compared tensor by tensor, not
+byte by byte, since they also hold the code's hash, which differs between commits by design. A
+digest file lets two machines be compared (bits depend on the CPU's kernels). Prints what
+differs, and last one JSON line.
 """
 
 from __future__ import annotations
@@ -43,49 +46,61 @@ def load(path: Path):
     return None
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    flat_a, flat_b = a.contiguous().view(-1), b.contiguous().view(-1)
-    return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8)) if a.numel() else True
+def digest(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().contiguous().view(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    header = f"{tensor.dtype} {tuple(tensor.shape)}\0".encode()
+    return hashlib.sha256(header + data).hexdigest()
 
 
-def files(root: Path) -> list[Path]:
-    return sorted(path.relative_to(root) for path in (root / "assets").rglob("*")
-                  if path.is_file() and not path.name.startswith(".snakemake"))
+def digests(run: Path) -> dict:
+    """{"tensors": {file: {tensor path: sha256}}, "results_rows": sha256} of a run."""
+    files = {}
+    for path in sorted(p for p in (run / "assets").rglob("*") if p.is_file()):
+        state = load(path)
+        if state is not None:
+            files[path.relative_to(run).as_posix()] = {key: digest(tensor)
+                                                       for key, tensor in tensors(state)}
+    rows = hashlib.sha256((run / "outputs/results-rows.csv").read_bytes()).hexdigest()
+    return {"tensors": files, "results_rows": rows}
+
+
+def differences(a: dict, b: dict) -> list[str]:
+    found = [f"{name}: in one run only"
+             for name in sorted(a["tensors"].keys() ^ b["tensors"].keys())]
+    for name in sorted(a["tensors"].keys() & b["tensors"].keys()):
+        ours, theirs = a["tensors"][name], b["tensors"][name]
+        found += [f"{name}{key}" for key in sorted(ours.keys() | theirs.keys())
+                  if ours.get(key) != theirs.get(key)]
+    if a["results_rows"] != b["results_rows"]:
+        found.append("outputs/results-rows.csv")
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("a", type=Path)
-    parser.add_argument("b", type=Path)
+    parser.add_argument("run", type=Path)
+    parser.add_argument("other", type=Path, nargs="?",
+                        help="a second run's folder, or a digest file written by --write")
+    parser.add_argument("--write", type=Path, help="write the run's digests to this file")
     args = parser.parse_args()
-    listed_a, listed_b = files(args.a), files(args.b)
-    if listed_a != listed_b:
-        raise SystemExit(f"the runs hold other files: {sorted(set(listed_a) ^ set(listed_b))}")
-    compared = count = 0
-    different = []
-    for relative in listed_a:
-        state_a, state_b = load(args.a / relative), load(args.b / relative)
-        if state_a is None:
-            continue
-        found_a, found_b = dict(tensors(state_a)), dict(tensors(state_b))
-        if found_a.keys() != found_b.keys():
-            different.append(f"{relative}: other tensor names")
-            continue
-        compared += 1
-        for key, tensor in found_a.items():
-            count += 1
-            if not same_bits(tensor, found_b[key]):
-                different.append(f"{relative}{key}")
-    rows_a = (args.a / "outputs/results-rows.csv").read_bytes()
-    rows_b = (args.b / "outputs/results-rows.csv").read_bytes()
+    ours = digests(args.run)
+    if args.write:
+        args.write.write_text(json.dumps(ours, indent=1, sort_keys=True) + "\n")
+    if args.other is None:
+        if not args.write:
+            parser.error("give a second run, a digest file, or --write FILE")
+        return
+    theirs = (json.loads(args.other.read_text()) if args.other.is_file()
+              else digests(args.other))
+    different = differences(ours, theirs)
     for line in different:
         print("differs:", line)
-    print(json.dumps({"files_with_tensors": compared, "tensors": count,
-                      "different_tensors": len(different),
-                      "results_rows_identical": rows_a == rows_b,
-                      "results_rows_sha256": hashlib.sha256(rows_a).hexdigest()}))
+    print(json.dumps({"files_with_tensors": len(ours["tensors"]),
+                      "tensors": sum(len(t) for t in ours["tensors"].values()),
+                      "different": len(different),
+                      "results_rows_identical": ours["results_rows"] == theirs["results_rows"],
+                      "results_rows_sha256": ours["results_rows"]}))
 
 
 if __name__ == "__main__":
