@@ -42,7 +42,7 @@ from .agents import (
 from .flow import FlowControl
 from .processes import die_with_parent
 from .rows import epoch_length, map_positions
-from .samples import GroupResult, Rollout, RolloutGroup
+from .samples import GroupResult, RolloutGroup
 from .scoring import assemble_group, content_records, group_samples, score_rewards
 from .weight_sync import served_name
 
@@ -94,23 +94,6 @@ class RolloutLoopBase:
         # admission of groups (schedule, allowance, server-load cap) and the counts it reads
         self.flow = FlowControl(config, model_version_value, token_allowance, queued_tokens,
                                 position_limit, self.stopping, self.record)
-
-    # ------------------------------------------------------------ hooks (AsyncRolloutLoop's)
-
-    def filter_prompt(self, row_index: int, row: dict, epoch: int) -> bool:
-        raise NotImplementedError
-
-    async def generate_one(self, prompt: list[dict], tools: list, group_id: int = 0) -> Rollout:
-        raise NotImplementedError
-
-    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        raise NotImplementedError
-
-    async def setup(self) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        raise NotImplementedError
 
     # ------------------------------------------------------------ for the hooks too
 

@@ -217,7 +217,7 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
         identity["device"] = config["model"]["device"]
     windows, resume_from = [], None
     if branch_run.resumes and ranks.main:
-        saved = branch_run.start(identity)
+        saved = branch_run.interrupt_state(identity)
         windows = saved["progress"]["history"]
         resume_from = restore_checkpoint(saved, output_dir)
     resume_from = ranks.share(resume_from)  # the others read it once rank 0 has written it

@@ -63,9 +63,15 @@ class Branch(NamedTuple):
         """A state already written is preserved: move it away to run this mode again."""
         refuse_to_overwrite(layout.state(*self))
 
-    def start(self, identity: dict) -> dict | None:
-        """The interrupt state a resume continues from (checked to be this run's), or None."""
-        return interrupt_state(self.name, identity) if self.resumes else None
+    def interrupt_state(self, identity: dict) -> dict:
+        """The branch's interrupt state, which a resume continues from, refused (naming the
+        first difference) unless it was written under `identity`."""
+        state = load_state(layout.state(self.name, "interrupt"))
+        difference = first_difference(state["identity"], identity, "identity")
+        if difference:
+            raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
+                             f" rerun {self.name}_interrupt with the same config, data and code")
+        return state
 
     def save(self, state: dict) -> dict:
         """This run's final state, written whole; returns its storage record."""
@@ -80,17 +86,6 @@ class Branch(NamedTuple):
         if self.resumes:
             for name, role in roles.items():
                 save_final(role, name, identity, config)
-
-
-def interrupt_state(branch: str, identity: dict) -> dict:
-    """`branch`'s interrupt state, refused (naming the first difference) unless it was written
-    under `identity`."""
-    state = load_state(layout.state(branch, "interrupt"))
-    difference = first_difference(state["identity"], identity, "identity")
-    if difference:
-        raise ReproError(f"the interrupt state cannot be resumed by this run ({difference});"
-                         f" rerun {branch}_interrupt with the same config, data and code")
-    return state
 
 
 class ResumableRun:
@@ -109,7 +104,7 @@ class ResumableRun:
 
     def resume(self) -> tuple[int, dict]:
         """Restore the interrupt state into this run; returns (updates, progress)."""
-        state = self.branch.start(self.identity)
+        state = self.branch.interrupt_state(self.identity)
         for name, role in self.roles.items():
             load_learned(role, state["learned"][name])
         for name, optimizer in self.optimizers.items():

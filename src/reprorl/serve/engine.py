@@ -97,9 +97,9 @@ class Engine:
         self.device = devices.of(model)  # of inputs, masks, KV slots
         slots = min(max_num_seqs, capacity // max_len)  # --kv-cache-tokens bounds them
         self.rows = min(rows, slots)
-        self.slots = slots // self.rows * self.rows  # whole groups only: one shape each
-        self.capacity = self.slots * max_len
-        self.kv = KVSlots(self.slots, max_len)
+        # whole groups only: one shape each
+        self.kv = KVSlots(slots // self.rows * self.rows, max_len)
+        self.capacity = self.kv.slots * max_len
         self.prefixes = PrefixCache(prefixes)
         self.adapters = RowAdapters(model, switches, self.device)
         self.cache_arg = cache_argument(model)
@@ -149,7 +149,7 @@ class Engine:
         started = time.perf_counter()
         with torch.inference_mode():
             self.reuses_heads  # noqa: B018 (asks `stacked` first; both log what they found)
-            counts = range(self.rows, min(self.slots, WARM_ROWS) + 1) if self.span else [
+            counts = range(self.rows, min(self.kv.slots, WARM_ROWS) + 1) if self.span else [
                 self.rows]
             self.adapters.warm_up(counts)
         return time.perf_counter() - started
@@ -166,11 +166,6 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget the recent prefills (their KV and logits belong to the old weights)."""
         self.prefixes.clear()
-
-    @property
-    def switches(self) -> dict[str, torch.nn.Module]:
-        """The model's adapter layers by name (`weights.Switch`), where adapters load."""
-        return self.adapters.switches
 
     def kv_in_use(self) -> int:
         return sum(s.length for s in list(self.running))

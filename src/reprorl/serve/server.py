@@ -189,7 +189,7 @@ class Server:
         if len(self.adapters) >= self.args.max_loras:
             raise ApiError(400, f"{self.args.max_loras} LoRA adapters are already loaded "
                            "(--max-loras); unload one first.")
-        adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.switches,
+        adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.adapters.switches,
                                           self.args.max_lora_rank, self.lora_root)
         if self.engine.unsettled(adapter.rank):  # once a rank, not at every weight sync
             # the engine's probe, ahead of the adapter's first decode step and in the engine
