@@ -28,13 +28,13 @@ rule all:
     input:
         rules.prepare.output,
         rules.base_model.output,
-        rules.sft_resume_check.output,
-        rules.reward_resume_check.output,
+        [
+            str(layout.resume_check(branch))
+            for branch in EXPORTS
+            if config["resume_triples"]
+        ],
         rules.sft_validation.output,
-        rules.ppo_resume_check.output,
         rules.ppo_report.output,
-        rules.grpo_verifier_resume_check.output,
-        rules.grpo_learned_resume_check.output,
         rules.evaluate.output,
         rules.exercise.output,
         rules.report.output,

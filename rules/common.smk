@@ -16,11 +16,11 @@ from reprorl.core.stages import (
     CURVES,
     EXPORTS,
     GRPO_RUNS,
-    MODES,
     POLICIES,
     STAGES,
     gpus,
     logs,
+    modes,
     threads,
 )
 from reprorl.core.stages import outputs as stage_outputs

@@ -62,7 +62,11 @@ rule evaluate:
             str(layout.learning_report(f"grpo_{run}", "continuous"))
             for run in GRPO_RUNS
         ],
-        resume_checks=[str(layout.resume_check(branch)) for branch in EXPORTS],
+        resume_checks=[
+            str(layout.resume_check(branch))
+            for branch in EXPORTS
+            if config["resume_triples"]
+        ],
         sft_validation=rules.sft_validation.output.report,
         curves=[str(layout.curve(branch)) for branch in CURVES],
         ppo_sampled=rules.ppo_report.output.report,

@@ -1,8 +1,10 @@
 # The seeds target (reprorl.pipeline.seeds), not part of the default one:
-#   snakemake --cores all outputs/seeds/summary.json --config seeds=[49,50,51]
-# Each seed's results come from a nested Snakemake run of this workflow in outputs/seeds/<seed>/
-# (the corpus and base model copied from this run, every learning stage's seeds moved); the
-# summary gives each policy's mean and spread over the seeds.
+#   snakemake --cores all outputs/seeds/summary.json      (--config seeds=[49,50,51] for others)
+# The main seed's results are the main run's; each other seed's come from a nested Snakemake
+# run of this workflow in outputs/seeds/<seed>/ (the corpus and base model copied from this run,
+# every learning stage's seeds moved, no resume triples); the summary gives each policy's mean
+# over the seeds, each seed's figure and an interval over seeds and prompts.
+from reprorl.pipeline.seeds import results_path
 
 
 wildcard_constraints:
@@ -36,7 +38,8 @@ rule seed_run:
 
 rule seeds:
     input:
-        results=expand(rules.seed_run.output.results, seed=config["seeds"]),
+        # the main seed's are the main run's (with its resume triples)
+        results=[str(results_path(seed, config)) for seed in config["seeds"]],
     output:
         **stage_output("seeds"),
     log:

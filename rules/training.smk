@@ -5,11 +5,12 @@
 # embedded generation server share the rule's one thread). Each runs three times:
 # interrupted (after SFT/reward epoch 1, PPO iteration 40, half the GRPO steps), resumed from
 # that state in a fresh process, and straight through; `<branch>_resume_check` passes only if
-# resume and continuous end in bitwise-equal states. The resume's exports are the policy.
+# resume and continuous end in bitwise-equal states. The resume's exports are the policy. With
+# resume_triples false (the seeds target's other seeds), the straight run alone runs and exports.
 
 
 for branch in EXPORTS:
-    for mode in MODES:
+    for mode in modes(config):
         stage = f"{branch}_{mode}"
 
         rule:
@@ -38,6 +39,8 @@ for branch in EXPORTS:
             shell:
                 STAGE_COMMAND
 
+    if not config["resume_triples"]:
+        continue
     stage = f"{branch}_resume_check"
 
     rule:

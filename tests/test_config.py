@@ -217,8 +217,9 @@ def test_config_json_is_what_the_rules_pass():
 
 def test_stage_subsets_only_hold_what_the_stage_reads():
     full = configuration.validate({})
-    assert set(configuration.stage_config(full, "prepare")) == {"seed"}
-    assert set(configuration.stage_config(full, "base_model")) == {"model", "limits"}
+    # numerics decides every stage's bits, so every stage carries it
+    assert set(configuration.stage_config(full, "prepare")) == {"numerics", "seed"}
+    assert set(configuration.stage_config(full, "base_model")) == {"numerics", "model", "limits"}
 
 
 def test_workflow_schema_is_the_package_schema():

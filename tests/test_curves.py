@@ -26,7 +26,10 @@ def test_snapshots_are_found_in_step_order(tmp_path):
 
 def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():
     config = configuration.validate({})
-    assert seeds.seed_config(config, 49) == config  # the defaults are seed 49's
+    assert seeds.main_seed(config) == 49  # the defaults are seed 49's
+    assert seeds.results_path(49, config) == layout.RESULTS  # so its results are the main run's
+    assert seeds.results_path(50, config) == layout.seed_dir(50) / layout.RESULTS
+    assert seeds.seed_config(config, 49) == {**config, "resume_triples": False}
     moved = seeds.seed_config(config, 50)
     changed = {(section, key) for section in config if isinstance(config[section], dict)
                for key in config[section] if moved[section][key] != config[section][key]}
@@ -34,6 +37,9 @@ def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():
                        ("reward", "sampler_seed"), ("ppo", "seed"), ("ppo", "prompt_seed"),
                        ("ppo", "generation_seed"), ("grpo", "seed")}
     assert moved["ppo"]["generation_seed"] == 250 and moved["seed"] == 49  # corpus fixed
+    assert not moved["resume_triples"]  # the main run's triples prove resumption
+    uneven = configuration.validate({"ppo": {"prompt_seed": 7}})
+    assert seeds.main_seed(uneven) is None  # no seed's run is the main run's
 
 
 def test_seeds_from_the_snakemake_command_line_are_integers():
@@ -43,22 +49,30 @@ def test_seeds_from_the_snakemake_command_line_are_integers():
 
 def test_the_seeds_summary_gives_each_policy_its_spread(in_tmp):
     config = configuration.validate({"seeds": [49, 50, 51]})
-    for seed, rate in zip(config["seeds"], (0.5, 0.6, 0.7)):
-        folder = layout.seed_dir(str(seed))
-        metrics = {"rubric_success_rate": rate, "mean_learned_score": -rate}
+    for seed, successes in zip(config["seeds"], (5, 6, 7)):
+        folder = layout.seed_dir(str(seed)) if seed != 49 else layout.RESULTS.parents[1]
+        rows = [{"prompt": f"p{i}", "split": "test", "rubric_success": i < successes,
+                 "recognized": True, "relevant": True, "unsupported_certainty": False,
+                 "learned_score": -successes / 10, "logratio_per_token": 0.0}
+                for i in range(10)]
         write_json(folder / layout.RESULTS, {
-            "policies": {p: {"metrics": {"test_rows": metrics}} for p in POLICIES},
-            "exercise": {"polite_wrong_outranks_plain_correct": 14}})
+            "policies": {p: {"rows": rows} for p in POLICIES},
+            "exercise": {"polite_wrong_outranks_plain_correct": 14, "contexts": 20}})
         for stage, start, wall in (("prepare", "2026-12-01T09:00:00+0000", 1.0),  # copied
-                                   ("sft_interrupt", "2026-12-02T10:00:00+0000", 30.0),
+                                   ("sft_continuous", "2026-12-02T10:00:00+0000", 30.0),
                                    ("evaluate", "2026-12-02T10:05:00+0000", 2.5)):
             write_json(folder / layout.manifest(stage), {"run": {"started_at": start,
                                                                   "wall_seconds": wall}})
     result = seeds.summary(config, log=lambda _: None)
-    spread = result["policies"]["ppo"]["rubric_success_rate"]
-    assert spread["values"] == [0.5, 0.6, 0.7] and spread["min"] == 0.5
-    assert spread["mean"] == pytest.approx(0.6) and spread["sd"] == pytest.approx(0.1)
+    assert result["policies"]["ppo"]["rubric_success_rate"]["mean"] == pytest.approx(0.6)
     written = read_json(layout.SEEDS_SUMMARY)
+    spread = written["policies"]["ppo"]["rubric_success_rate"]
+    assert spread["values"] == spread["per_seed"] == [0.5, 0.6, 0.7] and spread["min"] == 0.5
+    assert spread["sd"] == pytest.approx(0.1)
+    low, high = spread["interval_95"]
+    assert low < 0.5 < 0.7 < high  # over seeds and the 10 prompts
+    assert spread["difference_to_sft"]["per_seed"] == [0.0, 0.0, 0.0]  # ppo's rows are SFT's
+    assert written["main_seed"] == 49
     assert written["seconds_per_seed"] == {"49": 302.5, "50": 302.5, "51": 302.5}
     assert written["learning_seeds"]["51"]["ppo"] == {"seed": 51, "prompt_seed": 151,
                                                      "generation_seed": 251}

@@ -49,18 +49,24 @@ def test_repeated_probe_identity_check_fails_on_a_tampered_file(tmp_path):
         evaluate.check_repeated_probes(path)
 
 
+TRIPLES = {"resume_triples": True}
+
+
 def test_evaluation_refuses_missing_or_failed_resume_checks(in_tmp):
     with pytest.raises(ReproError, match="sft/resume-check.json is missing"):
-        evaluate.resume_checks()
+        evaluate.resume_checks(TRIPLES)
     branches = ("sft", "reward", "ppo", "grpo_verifier", "grpo_learned")
     for branch in branches:
         write_json(f"outputs/learning/{branch}/resume-check.json", {"status": "PASS"})
-    assert set(evaluate.resume_checks()) == set(branches)
+    assert set(evaluate.resume_checks(TRIPLES)) == set(branches)
     for branch in ("reward", "grpo_learned"):  # GRPO is held to the same gate as the rest
         write_json(f"outputs/learning/{branch}/resume-check.json", {"status": "FAIL"})
         with pytest.raises(ReproError, match=f"{branch}/resume-check.json says FAIL"):
-            evaluate.resume_checks()
+            evaluate.resume_checks(TRIPLES)
         write_json(f"outputs/learning/{branch}/resume-check.json", {"status": "PASS"})
+    # a seed run without triples reads none and says why
+    alone = evaluate.resume_checks({"resume_triples": False})
+    assert {c["status"] for c in alone.values()} == {"not run"}
 
 
 def test_generation_refuses_when_labels_are_visible(in_tmp):
@@ -152,7 +158,7 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
     judged = prompted([row(True, True, False), row(False, False)])
     metrics = {**evaluate.summarize(judged), "intervals_95": uncertainty.intervals(judged)}
     results = {
-        "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME,
+        "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME, "numerics": "portable",
         "policies": {"sft": {"metrics": {"test_rows": metrics}}},
         "reward_model_test": {"accuracy": 0.9, "correct": 162, "ties": 0},
         "resume_checks": {"sft": {"status": "PASS"}},

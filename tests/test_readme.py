@@ -40,7 +40,7 @@ def _results() -> dict:
                             "rows": [{}] * 260, "generation_sha256": "0" * 64}
     windows = {"reward": 0.5}
     return {
-        "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME,
+        "scope": evaluate.SCOPE, "learned_score_name": evaluate.SCORE_NAME, "numerics": "portable",
         "resume_checks": {b: {"status": "PASS", "sha256": "0" * 64}
                           for b in EXPORTS},
         "reward_model_test": {"pairs": 180, "correct": 180, "ties": 0, "accuracy": 1.0,
@@ -62,15 +62,35 @@ def _results() -> dict:
     }
 
 
+def _seeds() -> dict:
+    """A seeds summary of two seeds: SFT 3 and 3 of 5, PPO 2 and 1, the GRPO runs 4, 5 and 1,
+    0, learned scores as in `_results`."""
+    per_seed = {"sft": (3, 3, -1.84), "ppo": (2, 1, -1.15), "grpo_verifier": (4, 5, -0.86),
+                "grpo_learned": (1, 0, -0.69)}
+    rows = {policy: [_rows(a, score), _rows(b, score)]
+            for policy, (a, b, score) in per_seed.items()}
+    policies = {}
+    for policy in per_seed:
+        over = uncertainty.over_seeds(rows[policy])
+        versus = uncertainty.over_seeds(rows[policy], rows["sft"]) if policy != "sft" else None
+        policies[policy] = {name: {**over[name], **({"difference_to_sft": versus[name]}
+                                                    if versus else {})}
+                            for name in ("rubric_success_rate", "mean_learned_score")}
+    return {"seeds": [49, 50], "main_seed": 49, "policies": policies,
+            "seconds_per_seed": {"49": 1092.0, "50": 400.0},
+            "exercise_polite_wrong_outranks_plain_correct": {"values": [14, 12]}}
+
+
 def _run(in_tmp, results: dict, text: str = README) -> int:
     write_json("outputs/results.json", results)
+    write_json("outputs/seeds/summary.json", _seeds())
     for stage, started, seconds in (("prepare", "2026-12-01T14:42:31+0000", 3.5),
                                     ("report", "2026-12-01T15:00:40+0000", 2.75)):
         write_json(f"outputs/manifests/{stage}.json", {
             "hashed": {"cpu": {"model_name": "Some CPU", "torch_capability": "AVX2"}},
             "run": {"started_at": started, "wall_seconds": seconds, "cpus": 2}})
     (in_tmp / "README.md").write_text(text)
-    return cli.main(["readme-results", "--commit", "abc1234"])
+    return cli.main(["readme-results", "--commit", "abc1234", "--digests", ""])
 
 
 def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
@@ -80,18 +100,22 @@ def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
     assert text.startswith(before + readme.BEGIN) and text.endswith(readme.END + after)
     assert "old table" not in text
     rows = text.split(readme.BEGIN)[1].split(readme.END)[0]
-    assert ("| SFT | 60.0 % [20.0, 100.0] | (baseline) | -1.84 |\n"
-            "| PPO (learned reward, sampled log-ratio penalty to SFT) | 40.0 % [0.0, 80.0] | "
-            "-20.0 points [-60.0, 0.0], within noise | -1.15 |\n"
-            "| async GRPO, rubric verifier (train families) | 80.0 % [40.0, 100.0] | "
-            "+20.0 points [0.0, 60.0], within noise | -0.86 |\n"
-            "| async GRPO, learned reward | 20.0 % [0.0, 60.0] | "
-            "-40.0 points [-80.0, 0.0], within noise | -0.69 |") in rows
-    assert "polite wrong advice outranks plain correct advice in 14 of the 20" in " ".join(
-        rows.split())
+    table = [line for line in rows.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| | rubric success, 180 held-out test prompts (greedy): mean "
+                               "of 2 seeds [95 % interval over seeds and prompts] | each seed "
+                               "(49, 50) |")
+    assert table[1].startswith("| SFT | 60.0 % [")
+    assert table[1].endswith("| 60.0, 60.0 | (baseline) | -1.84, -1.84 |")
+    assert "| 30.0 % [" in table[2] and "| 40.0, 20.0 | -30.0 points [" in table[2]
+    assert "| 90.0 % [" in table[3] and "| 80.0, 100.0 | +30.0 points [" in table[3]
     flat = " ".join(rows.split())
-    assert ("commit abc1234; 2 stages in 18 min 12 s from the first one's start to the last "
-            "one's end, finished 2026-12-01; 2 cores; Some CPU, torch AVX2") in flat
+    assert ("polite wrong advice outranks plain correct advice in 14, 12 of the 20 probe "
+            "contexts (one figure per seed") in flat
+    assert ("commit abc1234; the main run: 2 stages in 18 min 12 s from the first one's start "
+            "to the last one's end, finished 2026-12-01; each other seed's run 6 min 40 s; 2 "
+            "cores; Some CPU, torch AVX2, native numerics") in flat
+    assert "trained under 2 learning seeds (the main run's, 49, and 50)" in flat
+    assert "`python -m reprorl bitcheck`" in flat
     assert "100.0 % accurate on the 180 test pairs" in flat
     assert "verifier from 0.50 to 2.00, learned from 0.50 to 2.00" in flat
     assert ("PPO from 50.0 % to 50.0 % rubric success, learned score 0.00 to 1.00, at a "
@@ -117,4 +141,13 @@ def test_results_that_fail_their_schema_are_refused(in_tmp, capsys):
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and "schema" in error
     assert "rebuild it with `snakemake --cores all outputs/results.json`" in error
+    assert (in_tmp / "README.md").read_text() == README
+
+
+def test_a_block_without_the_seeds_summary_is_refused(in_tmp, capsys):
+    write_json("outputs/results.json", _results())
+    (in_tmp / "README.md").write_text(README)
+    assert cli.main(["readme-results", "--commit", "abc1234", "--digests", ""]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "outputs/seeds/summary.json" in error
     assert (in_tmp / "README.md").read_text() == README

@@ -57,6 +57,17 @@ def test_outputs_follow_the_config():
         stages.outputs("ppo_later", config)
 
 
+def test_without_triples_the_straight_run_exports_the_policy():
+    triples = configuration.validate({})
+    alone = configuration.validate({"resume_triples": False})
+    assert stages.modes(triples) == MODES and stages.modes(alone) == ("continuous",)
+    for branch, names in EXPORTS.items():
+        final = layout.final(names[0])
+        assert final in stages.outputs(f"{branch}_resume", triples).values()
+        assert final not in stages.outputs(f"{branch}_continuous", triples).values()
+        assert final in stages.outputs(f"{branch}_continuous", alone).values()
+
+
 def test_each_interrupt_resume_chain_starts_before_its_straight_run():
     for branch in EXPORTS:
         chain, straight = (STAGES[f"{branch}_{mode}"].priority

@@ -604,3 +604,19 @@ def test_grpo_stages_run_on_two_trainer_ranks(workflow, tmp_path):
     costs = manifest["run"]["ranks"]
     assert len(costs) == 2 and all(r["cpu_seconds"] > 0 and r["peak_rss_mb"] > 0 for r in costs)
     assert manifest["run"]["cpu_seconds"] == round(sum(r["cpu_seconds"] for r in costs), 3)
+
+
+def test_ci_profile_has_the_bits_recorded_on_every_cpu_type(workflow):
+    """configs/ci.yaml runs portable numerics: its bits must equal those recorded on every CPU
+    type so far (one file each, written by `reprorl digests --write` on that machine), as the
+    reader's command `reprorl bitcheck` says."""
+    recorded = sorted((Path(__file__).parents[1] / "benchmarks/digests").glob("ci-portable-*"))
+    assert recorded, "no recorded digests of the CI profile"
+    assert read_json(workflow / "outputs/manifests/sft_resume.json")["hashed"]["config"][
+        "numerics"] == "portable"
+    result = reprorl(workflow, "bitcheck", *map(str, recorded))
+    assert result.returncode == 0, (
+        f"{result.stdout}{result.stderr}\nIf this change alters the numbers on purpose, write "
+        "each CPU type's file again with `reprorl digests --write` on a machine of that type "
+        "(docs/reproducibility.md)")
+    assert result.stdout.count("same bits as") == len(recorded)

@@ -11,9 +11,10 @@ import importlib
 import json
 import os
 import sys
+from pathlib import Path
 
 from reprorl.core import config as configuration
-from reprorl.core import devices, layout, stages
+from reprorl.core import layout, numerics, stages
 from reprorl.core.codehash import code_hash
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import StageRun, audit_manifests
@@ -25,8 +26,12 @@ def _log(message: str) -> None:
 
 
 def run_stage(name: str, config: dict, threads: int) -> dict:
+    numerics.pin(config["numerics"])  # before torch: every process the stage starts inherits it
     import torch
 
+    from reprorl.core import devices
+
+    numerics.check()
     # under torchrun (a GRPO run's ranks) the job's threads are shared by its processes
     torch.set_num_threads(max(1, threads // int(os.environ.get("WORLD_SIZE", "1"))))
     torch.use_deterministic_algorithms(True)
@@ -83,6 +88,16 @@ def parser() -> argparse.ArgumentParser:
     seed.add_argument("--config-json", required=True, help="validated config as JSON")
     seed.add_argument("--cores", type=int, default=1)
     seed.add_argument("--dry-run", action="store_true", help="list the jobs it would run")
+    digests = commands.add_parser(
+        "digests", help="write this folder's run as digests (every tensor, the results rows, "
+                        "each stage), to compare on another machine with `reprorl bitcheck`")
+    digests.add_argument("--write", required=True, help="the digest file to write")
+    bitcheck = commands.add_parser(
+        "bitcheck", help="compare this folder's run with recorded digests: same bits, or the "
+                         "first stage that differs and whether the kernel settings explain it")
+    bitcheck.add_argument("against", nargs="*",
+                          help="digest files or run folders (default: the digests the README's "
+                               "results block was made from)")
     table = commands.add_parser(
         "readme-results", help="rewrite the README's results block from a run's outputs")
     table.add_argument("--results", default=str(layout.RESULTS))
@@ -91,12 +106,23 @@ def parser() -> argparse.ArgumentParser:
     table.add_argument("--readme", default="README.md")
     table.add_argument("--commit", help="the commit the run ran (default: HEAD of the "
                                         "checkout holding --results)")
+    table.add_argument("--seeds", default=str(layout.SEEDS_SUMMARY),
+                       help="the seeds target's summary (every policy over the seeds)")
+    table.add_argument("--digests", default=str(layout.README_DIGESTS),
+                       help="where the run's digests go, for `reprorl bitcheck` ('' : none)")
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # its own flags (vLLM's names), parsed by the server
+        early = argparse.ArgumentParser(add_help=False)
+        early.add_argument("--numerics", choices=numerics.MODES, default=numerics.mode())
+        try:  # pinned before the server imports torch
+            numerics.pin(early.parse_known_args(argv[1:])[0].numerics)
+        except ReproError as error:
+            print(f"reprorl serve: error: {error}", file=sys.stderr, flush=True)
+            return 2
         from reprorl.serve.server import main as serve
 
         return serve(argv[1:])
@@ -114,17 +140,30 @@ def main(argv: list[str] | None = None) -> int:
             from reprorl.pipeline import seeds
 
             config = configuration.load_json(args.config_json)
+            numerics.pin(config["numerics"])  # the nested Snakemake's jobs inherit it
             return seeds.run(args.seed, config, args.cores, args.dry_run)
+        elif args.command == "digests":
+            from reprorl.pipeline import bitcheck
+
+            result = bitcheck.write(Path(args.write))
+        elif args.command == "bitcheck":
+            from reprorl.pipeline import bitcheck
+
+            reports, same = bitcheck.check([Path(p) for p in args.against])
+            _log(json.dumps(reports, sort_keys=True))
+            return 0 if same else 1
         elif args.command == "readme-results":
             from reprorl.pipeline import readme
 
-            result = readme.main(args.results, args.readme, args.manifests, args.commit)
+            result = readme.main(args.results, args.readme, args.manifests, args.commit,
+                                 args.seeds, args.digests)
         else:
             if args.config:
                 config = configuration.load(args.config)
             else:
                 config = configuration.load_json(args.config_json)
-            threads = args.threads or stages.threads(args.command, config)
+            threads = numerics.threads(stages.threads(args.command, config), args.threads,
+                                       config["numerics"])
             result = run_stage(args.command, config, threads)
     except ReproError as error:
         print(f"reprorl {args.command}: error: {error}", file=sys.stderr, flush=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from . import numerics
 from .errors import ConfigError
 from .stages import STAGES
 
@@ -77,6 +78,7 @@ def validate(config: Mapping) -> dict:
     _refuse_inconsistent_limits(config["limits"])
     if config["model"]["source"] == "embedded":
         _refuse_impossible_attention(config["model"]["embedded"])
+    numerics.refuse_unportable(config)
     return config
 
 
@@ -208,8 +210,8 @@ def _kind(value) -> str:
 def stage_config(config: dict, stage: str) -> dict:
     """The subset of a validated config that `stage` reads. A stage's manifest and its
     Snakemake params carry only these keys, so changing one stage's settings re-runs that stage
-    and its dependents, nothing else."""
-    return {key: config[key] for key in STAGES[stage].config_keys}
+    and its dependents, nothing else. `numerics` goes to every stage: it decides their bits."""
+    return {key: config[key] for key in ("numerics", *STAGES[stage].config_keys)}
 
 
 def stage_config_json(config: dict, stage: str) -> str:

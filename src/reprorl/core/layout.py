@@ -58,6 +58,8 @@ RESULTS_ROWS = OUTPUTS / "results-rows.csv"  # every judged row of every policy
 EXERCISE = OUTPUTS / "exercise/reward-shortcuts.json"
 REPORT_PAGE = REPORT / "report.html"
 SEEDS_SUMMARY = OUTPUTS / "seeds/summary.json"
+# the digests of the run the README's results block came from (`reprorl bitcheck` reads them)
+README_DIGESTS = Path("benchmarks/digests/readme.json")
 FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "curves", "probes")
 # what a generation job must not see: labels, learning outputs and judgements
 HIDDEN_FROM_GENERATION = (CORPUS / "labels", CORPUS_MANIFEST, LEARNING, GRPO_SCRATCH,

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from . import layout, stages
+from . import layout, numerics, stages
 from .errors import AuditError, PreservedArtifactError, ReproError
 
 # the distributions whose version can change a number, a figure's bytes or the DAG
@@ -43,7 +43,9 @@ KERNEL_FLAGS = ("sse4_2", "avx", "f16c", "fma", "avx2", "avx_vnni", "avx512f", "
                 "amx_int8", "asimd", "sve", "sve2", "bf16", "i8mm")
 # environment variables that override that choice (when set, they decide the numbers too)
 KERNEL_ENVIRONMENT = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS",
-                      "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE")
+                      "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE",
+                      "NPY_ENABLE_CPU_FEATURES", "NPY_DISABLE_CPU_FEATURES",
+                      "OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS")
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)  # read once: mkstemp/mkdtemp create private files; finals get normal modes
 
@@ -231,11 +233,13 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
-def cpu_features() -> dict:
-    """The CPU as the numeric libraries see it: a stable description of the machine, kept in the
-    hashed section because the same library versions give other bits on another instruction set
-    (ATen's softmax and MKL's exp round differently under AVX2 and AVX-512). No frequency and no
-    core count: those vary on one machine; the torch threads are the stage's own setting."""
+def cpu_features() -> tuple[dict, dict]:
+    """The CPU as the numeric libraries see it, split in what decides the bits (hashed) and what
+    only describes the machine (run). Under native numerics the CPU type decides them (the same
+    library versions give other bits on another instruction set: ATen's softmax and MKL's exp
+    round differently under AVX2 and AVX-512), so all of it is hashed; under portable numerics
+    the pinned kernels do, and the CPU type moves to `run`. No frequency and no core count:
+    those vary on one machine; the torch threads are the stage's own setting."""
     import torch
 
     info = _cpuinfo()
@@ -244,18 +248,24 @@ def cpu_features() -> dict:
     versions = {name: match.group(1) for name, pattern in (
         ("mkl", r"Math Kernel Library Version ([\d.]+)"), ("onednn", r"MKL-DNN (v\S+)"))
         if (match := re.search(pattern, build))}
-    return {
+    kernels = {
+        "numerics": numerics.mode(),
         "machine": platform.machine(),
-        "vendor": info.get("vendor_id", ""),
-        "model_name": info.get("model name", platform.processor()),
-        "family_model": f"{info.get('cpu family', '')}/{info.get('model', '')}",
-        "flags": [flag for flag in KERNEL_FLAGS if flag in flags],
         "torch_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_threads": torch.get_num_threads(),
         "mkl": versions.get("mkl") if torch.backends.mkl.is_available() else None,
         "onednn": versions.get("onednn") if torch.backends.mkldnn.is_available() else None,
         "environment": {k: os.environ[k] for k in KERNEL_ENVIRONMENT if k in os.environ},
     }
+    machine = {
+        "vendor": info.get("vendor_id", ""),
+        "model_name": info.get("model name", platform.processor()),
+        "family_model": f"{info.get('cpu family', '')}/{info.get('model', '')}",
+        "flags": [flag for flag in KERNEL_FLAGS if flag in flags],
+    }
+    if numerics.mode() == "portable":
+        return kernels, machine
+    return {**kernels, **machine}, {}
 
 
 def peak_rss_mb() -> float:
@@ -322,12 +332,13 @@ class StageRun:
             declared = stages.outputs(self.stage, self.config)
             declared.pop("manifest")
             outputs = [p for v in declared.values() for p in (v if isinstance(v, list) else [v])]
+        cpu, machine = cpu_features()
         hashed = {
             "stage": self.stage,
             "code_sha256": self.code_hash,
             "config": self.config,
             "libraries": library_versions(),
-            "cpu": cpu_features(),
+            "cpu": cpu,
             "inputs": hash_paths(inputs),
             "outputs": hash_paths(outputs),
             "summary": summary or {},
@@ -343,6 +354,7 @@ class StageRun:
             # the numbers depend on the torch threads recorded in `cpu`, not on the cores
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(),
+            **({"cpu": machine} if machine else {}),
             **(run_info or {}),
         }
         self.manifest = {"hashed": hashed, "hashed_sha256": sha256_json(hashed), "run": run}

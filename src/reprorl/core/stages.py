@@ -77,16 +77,28 @@ def _exports(names: tuple[str, ...]) -> Files:
 
 def _branch(branch: str, mode: str) -> Callable[[dict], Files]:
     """A training branch's files in one mode: its state and learning report; PPO's rollouts;
-    a straight run's snapshots (curves); a resume's final exports, which are the policy."""
+    a straight run's snapshots (curves); the exporting run's final exports, which are the
+    policy (`exporting_mode`)."""
     files: Files = {"state": layout.state(branch, mode),
                     "report": layout.learning_report(branch, mode)}
     if branch == "ppo":
         files["rollouts"] = layout.rollouts(mode)
     if branch in CURVES and mode == "continuous":
         files["snapshots"] = layout.snapshots(branch)
-    if mode == "resume":
-        files |= _exports(EXPORTS[branch])
-    return lambda config: dict(files)  # a copy: a caller may add to it
+    return lambda config: {**files, **(_exports(EXPORTS[branch])
+                                       if mode == exporting_mode(config) else {})}
+
+
+def modes(config: dict) -> tuple[str, ...]:
+    """The modes every branch runs: the three, or with `resume_triples: false` (the seeds
+    target's runs beside the main one, whose triples prove resumption) the straight run only."""
+    return MODES if config["resume_triples"] else ("continuous",)
+
+
+def exporting_mode(config: dict) -> str:
+    """The mode whose run exports a branch's final roles: the resume, or the straight run where
+    it runs alone."""
+    return "resume" if config["resume_triples"] else "continuous"
 
 
 def _base_model(config: dict) -> Files:
@@ -101,24 +113,25 @@ def _fixed(**files: Path | list[Path]) -> Callable[[dict], Files]:
 
 
 TRAINING = ("model", "limits")  # what every stage that runs a model reads
+BRANCH = (*TRAINING, "resume_triples")  # a training branch: which of its modes exports
 
 STAGES: dict[str, Stage] = {
     # the corpus folder itself is preserved, not declared
     "prepare": Stage("pipeline.prepare", ("seed",), _fixed(audit=layout.DATA_AUDIT)),
     "base_model": Stage("pipeline.base_model", TRAINING, _base_model),
-    **{f"{branch}_{mode}": Stage("pipeline.warmstart", (*TRAINING, branch), _branch(branch, mode))
+    **{f"{branch}_{mode}": Stage("pipeline.warmstart", (*BRANCH, branch), _branch(branch, mode))
        for branch in ("sft", "reward") for mode in MODES},
     **{f"{branch}_resume_check": Stage("pipeline.resumable", (),
                                        _fixed(check=layout.resume_check(branch)))
        for branch in EXPORTS},
     "sft_validation": Stage("pipeline.curves", TRAINING, _fixed(report=layout.SFT_VALIDATION)),
-    **{f"ppo_{mode}": Stage("pipeline.ppo", (*TRAINING, "ppo"), _branch("ppo", mode))
+    **{f"ppo_{mode}": Stage("pipeline.ppo", (*BRANCH, "ppo"), _branch("ppo", mode))
        for mode in MODES},
     "ppo_report": Stage("pipeline.ppo", (), _fixed(report=layout.PPO_SAMPLED)),
     # one thread: the trainer, the rollout worker and the embedded server take turns more than
     # they overlap (measured: the default verifier run uses 1.1 cores with 1 or 2 threads, 99 s
     # or 98 s alone), so two GRPO jobs, or one beside PPO, share the two cores instead
-    **{f"grpo_{run}_{mode}": Stage("pipeline.grpo_run", (*TRAINING, "grpo"),
+    **{f"grpo_{run}_{mode}": Stage("pipeline.grpo_run", (*BRANCH, "grpo"),
                                    _branch(f"grpo_{run}", mode))
        for run in GRPO_RUNS for mode in MODES},
     **{f"curve_{branch}": Stage("pipeline.curves", TRAINING,
@@ -130,13 +143,15 @@ STAGES: dict[str, Stage] = {
                                    _fixed(generations=layout.generations(policy)))
        for policy in POLICIES},
     "reward_test": Stage("pipeline.evaluate", TRAINING, _fixed(test=layout.REWARD_TEST)),
-    "evaluate": Stage("pipeline.evaluate", (), _fixed(
+    "evaluate": Stage("pipeline.evaluate", ("resume_triples",), _fixed(
         results=layout.RESULTS, table=layout.RESULTS_TABLE, rows=layout.RESULTS_ROWS)),
     "exercise": Stage("pipeline.evaluate", TRAINING, _fixed(shortcuts=layout.EXERCISE)),
     "report": Stage("pipeline.report", (), _fixed(
         figures=[layout.figure(name) for name in layout.FIGURES], page=layout.REPORT_PAGE)),
     # outputs/seeds/summary.json; not in the default target
-    "seeds": Stage("pipeline.seeds", ("seeds",), _fixed(summary=layout.SEEDS_SUMMARY)),
+    # the learning sections name the main seed, whose results are the main run's
+    "seeds": Stage("pipeline.seeds", ("seeds", "sft", "reward", "ppo", "grpo"),
+                   _fixed(summary=layout.SEEDS_SUMMARY)),
     # run by `reprorl audit`, hashed like any stage
     "audit": Stage("core.manifest", (), _fixed()),
 }

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from reprorl.core import numerics
 from reprorl.model.grpo_losses import group_is_dropped
 from reprorl.serve.client import CompletionClient
 
@@ -384,6 +385,7 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
     shared["rollout_buffer"].cancel_join_thread()
     shared["metrics_queue"].cancel_join_thread()
     try:
+        numerics.check()  # the trainer's kernel pins reached this process
         with inbox:
             loop_cls, kwargs = pickle.loads(inbox.recv_bytes())
             try:

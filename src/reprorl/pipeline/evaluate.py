@@ -35,7 +35,7 @@ from reprorl.core.manifest import (
     sha256_json,
     write_json,
 )
-from reprorl.core.stages import CURVES, EXPORTS, GRPO_RUNS, POLICIES, STAGES
+from reprorl.core.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, STAGES, modes
 from reprorl.model.encoding import collate, example, load_tokenizer
 from reprorl.model.roles import learned_identity
 
@@ -173,9 +173,15 @@ def evaluate_policy(policy: str, gold: dict) -> dict:
     return {"metrics": metrics, "rows": rows, "generation_sha256": sha256_file(path)}
 
 
-def resume_checks() -> dict:
+def resume_checks(config: dict) -> dict:
+    """Each branch's resume check, which must PASS; without the triples (`resume_triples:
+    false`, a seed run beside the main one) each says so."""
     checks = {}
     for branch in EXPORTS:
+        if not config["resume_triples"]:
+            checks[branch] = {"status": "not run",
+                              "why": "resume_triples is false: the main run's checks prove it"}
+            continue
         path = layout.resume_check(branch)
         if not path.is_file():
             raise ReproError(f"{path} is missing: results need every resume check "
@@ -187,14 +193,16 @@ def resume_checks() -> dict:
     return checks
 
 
-def stage_timings() -> dict:
-    """Wall seconds, CPU seconds and peak memory of every stage upstream of evaluation, from
-    the manifests' run sections (a fixed list, so stale manifests of other stages never leak
-    in). They vary run to run, so they go to the evaluate manifest's run section and its log,
-    never into results.json: two runs of the pipeline give the same results file, byte for
-    byte."""
+def stage_timings(config: dict) -> dict:
+    """Wall seconds, CPU seconds and peak memory of every stage upstream of evaluation that
+    this config runs, from the manifests' run sections (a fixed list, so stale manifests of
+    other stages never leak in). They vary run to run, so they go to the evaluate manifest's
+    run section and its log, never into results.json: two runs of the pipeline give the same
+    results file, byte for byte."""
+    skipped = {f"{branch}_{mode}" for branch in EXPORTS
+               for mode in (*MODES, "resume_check") if mode not in modes(config)}
     return {stage: run_costs(read_json(layout.manifest(stage))["run"])
-            for stage in UPSTREAM_STAGES}
+            for stage in UPSTREAM_STAGES if stage not in skipped}
 
 
 def run_costs(run: dict) -> dict:
@@ -273,7 +281,7 @@ def over_optimisation(sft_validation: dict) -> dict:
 
 def evaluate(config: dict, policies: list[str]) -> dict:
     """outputs/results.json and results.md; refuses unless every resume check is PASS."""
-    checks = resume_checks()
+    checks = resume_checks(config)
     gold = {g["document_id"]: g for g in corpus.read(corpus.GOLD, "evaluation")}
     reports = {branch: read_input(layout.learning_report(branch, "continuous"))
                for branch in EXPORTS}
@@ -281,6 +289,8 @@ def evaluate(config: dict, policies: list[str]) -> dict:
     results = {
         "scope": SCOPE,
         "learned_score_name": SCORE_NAME,
+        # which kernels decided these bits (core.numerics): portable ones reproduce elsewhere
+        "numerics": config["numerics"],
         "resume_checks": checks,
         "reward_model_test": {k: v for k, v in read_input(layout.REWARD_TEST).items()
                               if k != "rows"},
@@ -428,7 +438,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         # not recorded as inputs: re-running an upstream stage to identical outputs must not
         # make the audit call the results stale
         summary = evaluate(config, list(POLICIES))
-        run_info = {"stage_timings": stage_timings()}
+        run_info = {"stage_timings": stage_timings(config)}
         log("stage timings (wall and CPU seconds, peak RSS MB): " + json.dumps(run_info))
     run.finish(summary=summary, run_info=run_info)
     log(str(summary))

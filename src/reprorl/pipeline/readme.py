@@ -1,9 +1,11 @@
 """`reprorl readme-results`: the README's results block, generated from a run's outputs.
 
 The README publishes what a run wrote, never typed figures: the block between `BEGIN` and `END`
-is rebuilt from `outputs/results.json` (checked against its schema first) and the run's stage
-manifests (when the run started and ended, on which CPU), plus the commit it ran. Nothing else
-in the README changes, and the file is replaced atomically.
+is rebuilt from the seeds target's `outputs/seeds/summary.json` (each policy over the learning
+seeds), the main seed's `outputs/results.json` (checked against its schema first) and the
+run's stage manifests (when it started and ended, on which CPU, in which numerics mode), plus
+the commit it ran. Nothing else in the README changes, and the file is replaced atomically.
+The run's digests go to `layout.README_DIGESTS`, which a reader's `reprorl bitcheck` reads.
 """
 
 from __future__ import annotations
@@ -32,11 +34,24 @@ WIDTH = 96  # the README's prose lines stay under 100 characters
 
 
 def _versus_sft(difference: dict | None) -> str:
+    """A mean paired difference to SFT over the seeds, in points, with its interval."""
     if difference is None:
         return "(baseline)"
-    d = difference["rubric_success_rate"]
-    noise = ", within noise" if d["within_noise"] else ""
-    return f"{100 * d['difference']:+.1f} points{interval_points(d['interval_95'])}{noise}"
+    interval = difference["interval_95"]
+    noise = ", within noise" if interval and interval[0] <= 0 <= interval[1] else ""
+    return f"{100 * difference['mean']:+.1f} points{interval_points(interval)}{noise}"
+
+
+def load_seeds(path: Path) -> dict:
+    if not path.is_file():
+        raise ReproError(f"{path} is missing: the README's block reports every learning seed; "
+                         "run `snakemake --cores all outputs/seeds/summary.json` first")
+    summary = read_json(path)
+    if "main_seed" not in summary or "interval_95" not in next(
+            iter(summary["policies"].values()))["rubric_success_rate"]:
+        raise ReproError(f"{path} is a summary of an older version: rebuild it with "
+                         "`snakemake --cores all outputs/seeds/summary.json`")
+    return summary
 
 
 def load_results(path: Path) -> dict:
@@ -63,9 +78,11 @@ def run_facts(manifests: Path, skip: tuple[str, ...] = ()) -> dict:
         run = content["run"]
         start = datetime.datetime.strptime(run["started_at"], "%Y-%m-%dT%H:%M:%S%z")
         spans.append((start, start + datetime.timedelta(seconds=run["wall_seconds"])))
-        cpu = content.get("hashed", {}).get("cpu")
+        # portable numerics keep the CPU type out of the hashed section (core.manifest)
+        cpu = {**content.get("hashed", {}).get("cpu", {}), **run.get("cpu", {})}
         if cpu:  # manifests older than the CPU record have none
-            cpus.add(f"{cpu['model_name']}, torch {cpu['torch_capability']}")
+            cpus.add(f"{cpu['model_name']}, torch {cpu['torch_capability']}, "
+                     f"{cpu.get('numerics', 'native')} numerics")
         if "cpus" in run:
             cores.add(run["cpus"])
     if not spans:
@@ -120,25 +137,42 @@ def _curves(curves: dict | None) -> str:
             f"to each run's end; every quarter in `outputs/results.md`): {'; '.join(parts)}. ")
 
 
-def block(results: dict, facts: dict, commit: str) -> str:
-    """The generated block, markers included."""
+def _seeds_table(seeds: dict) -> list[str]:
+    names = ", ".join(str(s) for s in seeds["seeds"])
+    rows = [f"| | rubric success, 180 held-out test prompts (greedy): mean of "
+            f"{len(seeds['seeds'])} seeds [95 % interval over seeds and prompts] | each seed "
+            f"({names}) | vs SFT, paired within seeds | mean predicted simulated preference, "
+            "each seed |", "|---|---|---|---|---|"]
+    for policy, result in _ordered(seeds["policies"], POLICIES):
+        rate, score = result["rubric_success_rate"], result["mean_learned_score"]
+        each = ", ".join(f"{100 * v:.1f}" for v in rate["per_seed"])
+        scores = ", ".join(f"{v:.2f}" for v in score["per_seed"])
+        rows.append(f"| {LABELS.get(policy, policy)} | {percent(rate['mean'])}"
+                    f"{interval_points(rate['interval_95'])} | {each} | "
+                    f"{_versus_sft(rate.get('difference_to_sft'))} | {scores} |")
+    return rows
+
+
+def block(results: dict, facts: dict, commit: str, seeds: dict) -> str:
+    """The generated block, markers included: the seeds' table, then the main seed's run."""
     where = [f"commit {commit}"]
     if facts:
-        where.append(f"{facts['stages']} stages in {_duration(facts['seconds'])} from the "
-                     f"first one's start to the last one's end, finished {facts['date']}")
+        where.append(f"the main run: {facts['stages']} stages in "
+                     f"{_duration(facts['seconds'])} from the first one's start to the last "
+                     f"one's end, finished {facts['date']}")
+    others = [v for s, v in seeds["seconds_per_seed"].items()
+              if int(s) != seeds["main_seed"] and v is not None]
+    if others:
+        span = {_duration(min(others)), _duration(max(others))}
+        where.append(f"each other seed's run {' to '.join(sorted(span, key=len))}")
     where += [f"{n} cores" for n in facts.get("cores", [])]
     where += facts.get("cpus", [])
+    main = seeds["main_seed"]
     intro = (f"What the embedded default showed when last run ({'; '.join(where)}), reported as "
-             "it came out:")
-    rows = [("| | rubric success, 180 held-out test prompts (greedy) [95 % interval] | vs SFT, "
-             "paired | mean predicted simulated preference |"), "|---|---|---|---|"]
-    for policy, result in _ordered(results["policies"], POLICIES):
-        test = result["metrics"]["test_rows"]
-        ci = test["intervals_95"]
-        versus = _versus_sft(results["difference_to_sft"].get(policy, {}).get("test_rows"))
-        rows.append(f"| {LABELS.get(policy, policy)} | {percent(test['rubric_success_rate'])}"
-                    f"{interval_points(ci['rubric_success_rate'])} | {versus} | "
-                    f"{test['mean_learned_score']:.2f} |")
+             f"it came out. Every policy was trained under {len(seeds['seeds'])} learning seeds "
+             f"(the main run's, {main}, and "
+             f"{', '.join(str(s) for s in seeds['seeds'] if s != main)}), the corpus and the "
+             "base model fixed:")
     ex = results["exercise"]
     rm, sampled = results["reward_model_test"], results["ppo_sampled_responses"]
     first, last = sampled["first_10"], sampled["last_10"]
@@ -149,8 +183,12 @@ def block(results: dict, facts: dict, commit: str) -> str:
         and s["last_windows"].get("reward") is not None)
     checks = ", ".join(f"{name} {c['status']}"
                        for name, c in _ordered(results["resume_checks"], EXPORTS))
+    shortcut = seeds["exercise_polite_wrong_outranks_plain_correct"]
     figures = (
-        f"Reward model: {percent(rm['accuracy'])} accurate on the {rm['pairs']} test pairs "
+        f"Politeness exercise: polite wrong advice outranks plain correct advice in "
+        f"{', '.join(str(v) for v in shortcut['values'])} of the {ex['contexts']} probe "
+        f"contexts (one figure per seed, in the order above). The main seed's run alone: "
+        f"reward model {percent(rm['accuracy'])} accurate on the {rm['pairs']} test pairs "
         f"({rm['ties']} ties). PPO's sampled responses, first vs last 10 iterations: "
         f"reward-model score from {first['mean_reward_model_score']:.2f} to "
         f"{last['mean_reward_model_score']:.2f}, rubric success from "
@@ -158,11 +196,12 @@ def block(results: dict, facts: dict, commit: str) -> str:
         + (f"GRPO's sampled reward, first vs last tenth of the training windows: {grpo}. "
            if grpo else "")
         + _curves(results.get("over_optimisation"))
-        + f"Politeness exercise: polite wrong advice outranks plain correct advice in "
-          f"{ex['polite_wrong_outranks_plain_correct']} of the {ex['contexts']} probe contexts. "
-          f"Resume checks: {checks}. Intervals: bootstrap over prompts, paired for the "
-          "difference to SFT (`outputs/results.md` has every population).")
-    return "\n".join([BEGIN, *textwrap.wrap(intro, WIDTH), "", *rows, "",
+        + f"Resume checks: {checks}. Intervals: a bootstrap over the seeds, then over the "
+          "prompts within each drawn seed, paired within seeds for the difference to SFT "
+          "(`outputs/seeds/summary.json`; every population of the main seed in "
+          "`outputs/results.md`). Same bits on your machine? `python -m reprorl bitcheck` "
+          "compares your run with this one's digests.")
+    return "\n".join([BEGIN, *textwrap.wrap(intro, WIDTH), "", *_seeds_table(seeds), "",
                       *textwrap.wrap(figures, WIDTH), END])
 
 
@@ -177,13 +216,21 @@ def rewrite(readme: str, generated: str) -> str:
     return readme[:start] + generated + readme[end + len(END):]
 
 
-def main(results_path: str, readme_path: str, manifests: str, commit: str | None) -> dict:
+def main(results_path: str, readme_path: str, manifests: str, commit: str | None,
+         seeds_path: str, digests: str | None) -> dict:
     results = load_results(Path(results_path))
+    seeds = load_seeds(Path(seeds_path))
     readme = Path(readme_path)
     if not readme.is_file():
         raise ReproError(f"{readme} is missing: name the README with --readme")
+    # the main run's span: the seeds stage, which waits for the other seeds, left out
     text = rewrite(readme.read_text(), block(
-        results, run_facts(Path(manifests)), commit or commit_of(Path(results_path), readme)))
-    atomic_write_text(readme, text)
-    return {"readme": str(readme), "results": results_path, "status": "rewritten"}
+        results, run_facts(Path(manifests), skip=("seeds",)),
+        commit or commit_of(Path(results_path), readme), seeds))
+    if digests:  # first: a block is never published without the digests it came from
+        from .bitcheck import write
 
+        write(Path(digests), Path(results_path).resolve().parent.parent)
+    atomic_write_text(readme, text)
+    return {"readme": str(readme), "results": results_path, "status": "rewritten",
+            "digests": digests}

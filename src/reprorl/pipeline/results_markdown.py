@@ -60,6 +60,8 @@ def markdown(results: dict) -> str:
     lines = ["# reprorl results", "", results["scope"], "",
              ("Brackets: 95 % bootstrap intervals over prompts (rows that share a prompt are "
               f"drawn together; {uncertainty.RESAMPLES} resamples, seed {uncertainty.SEED})."),
+             "", f"Numerics: {results.get('numerics', 'native')} "
+                 "(docs/reproducibility.md: which CPU kernels the run could pick).",
              "", "## Policies", ""]
     rows = []
     for policy, result in results["policies"].items():

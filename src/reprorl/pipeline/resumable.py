@@ -27,7 +27,7 @@ import torch
 from reprorl.core import layout
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import refuse_to_overwrite, sha256_file, write_json
-from reprorl.core.stages import CURVES
+from reprorl.core.stages import CURVES, exporting_mode
 from reprorl.core.state import first_difference, load_state, restore_rng, rng_state, save_state
 from reprorl.model.roles import (
     Role,
@@ -82,8 +82,9 @@ class Branch(NamedTuple):
         write_json(layout.learning_report(*self), report)
 
     def export(self, identity: dict, config: dict, roles: dict[str, Role]) -> None:
-        """After a resume, the branch's final roles, by export name (`stages.EXPORTS`)."""
-        if self.resumes:
+        """At the end of the exporting mode's run (a resume, or a straight run without its
+        triple: `stages.exporting_mode`), the branch's final roles, by export name."""
+        if self.mode == exporting_mode(config):
             for name, role in roles.items():
                 save_final(role, name, identity, config)
 

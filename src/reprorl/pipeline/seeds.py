@@ -1,14 +1,15 @@
 """The seeds target: every learning stage again under other seeds, the corpus and base fixed.
 
-`snakemake --cores all outputs/seeds/summary.json --config seeds=[49,50,51]` builds, per seed,
-the main run's results (each learning branch with its resume triple, generation, judging) in
-its own working directory, outputs/seeds/<seed>/, with a nested Snakemake on the same Snakefile
-and config (`reprorl seed-run`). Only the learning stages' seeds move: seed s sets `seed` of
-sft, reward, ppo and grpo to s, their sampler or prompt seed to s + 100 and PPO's generation
-seed to s + 200, so the defaults are s = 49 and seed 49 replays the main run. The corpus and
-the base model are copied in from the main run (the same bytes for every seed; the nested run
-finds them built and does not rebuild them). The `seeds` stage then reports, per policy, the
-mean and spread over the seeds of the held-out rates. Not part of the default target.
+`snakemake --cores all outputs/seeds/summary.json` (seeds: the config's `seeds`, five by
+default) takes the main run's results for the main seed and builds, for each other seed, the
+same results in its own working directory, outputs/seeds/<seed>/, with a nested Snakemake on
+the same Snakefile and config (`reprorl seed-run`), without resume triples (the main run's
+checks prove resumption). Only the learning stages' seeds move: seed s sets `seed` of sft,
+reward, ppo and grpo to s, their sampler or prompt seed to s + 100 and PPO's generation seed to
+s + 200, so the defaults are s = 49, the main seed. The corpus and the base model are copied in
+from the main run (the same bytes for every seed; the nested run finds them built). The `seeds`
+stage then reports, per policy, the mean over the seeds of the held-out rates, each seed's own,
+and an interval over seeds and prompts (`uncertainty.over_seeds`). Not in the default target.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from reprorl.core import layout
 from reprorl.core.manifest import atomic_write_text, read_input, write_json
 from reprorl.core.stages import POLICIES
 
+from . import uncertainty
 from .readme import run_facts
 
 # offsets from the seed of each learning stage's seeds (the defaults at seed 49)
@@ -47,11 +49,33 @@ def learning_seeds(seed: int) -> dict:
 
 
 def seed_config(config: dict, seed: int) -> dict:
-    """`config` with every learning stage's seeds moved to `seed` (see the top)."""
+    """`config` with every learning stage's seeds moved to `seed`, and no resume triples (see
+    the top)."""
     moved = copy.deepcopy(config)
     for section, values in learning_seeds(seed).items():
         moved[section] |= values
+    moved["resume_triples"] = False
     return moved
+
+
+def main_seed(config: dict) -> int | None:
+    """The seed whose learning seeds are the config's own: the main run is that seed's run
+    (None where the config's seeds follow no single s)."""
+    seed = config["sft"]["seed"]
+    matches = all(config[section][key] == value
+                  for section, values in learning_seeds(seed).items()
+                  for key, value in values.items())
+    return seed if matches else None
+
+
+def results_path(seed: int, config: dict) -> Path:
+    """Where the seed's results are: the main run's for the main seed."""
+    return layout.RESULTS if seed == main_seed(config) else layout.seed_dir(seed) / layout.RESULTS
+
+
+def manifests_path(seed: int, config: dict) -> Path:
+    return (layout.MANIFESTS if seed == main_seed(config)
+            else layout.seed_dir(seed) / layout.MANIFESTS)
 
 
 def run(seed: int, config: dict, cores: int, dry_run: bool = False) -> int:
@@ -88,29 +112,39 @@ def _spread(values: list[float]) -> dict:
 
 def summary(config: dict, log=print) -> dict:
     seeds = config["seeds"]
-    results = {seed: read_input(layout.seed_dir(seed) / layout.RESULTS) for seed in seeds}
+    results = {seed: read_input(results_path(seed, config)) for seed in seeds}
+    test = {policy: [[r for r in results[s]["policies"][policy]["rows"] if r["split"] == "test"]
+                     for s in seeds] for policy in POLICIES}
     policies = {}
     for policy in POLICIES:
-        test = [results[s]["policies"][policy]["metrics"]["test_rows"] for s in seeds]
-        policies[policy] = {name: _spread([m[name] for m in test]) for name in MEASURES}
+        over = uncertainty.over_seeds(test[policy])
+        versus = uncertainty.over_seeds(test[policy], test["sft"]) if policy != "sft" else None
+        policies[policy] = {name: {**over[name], **_spread(over[name]["per_seed"]),
+                                   **({"difference_to_sft": versus[name]} if versus else {})}
+                            for name in MEASURES}
     shortcut = [results[s]["exercise"]["polite_wrong_outranks_plain_correct"] for s in seeds]
     content = {
-        "seeds": seeds, "population": "test_rows (180 held-out prompts), greedy",
+        "seeds": seeds, "main_seed": main_seed(config),
+        "population": "test_rows (180 held-out prompts), greedy",
         "learning_seeds": {str(s): learning_seeds(s) for s in seeds},
         "policies": policies,
-        "exercise_polite_wrong_outranks_plain_correct": _spread(shortcut),
-        # the stages the nested runs share (corpus, base) ran once, in the main run
-        # first stage start to last stage end, the stages copied from the main run left out
-        "seconds_per_seed": {str(s): run_facts(layout.seed_dir(s) / layout.MANIFESTS,
-                                               skip=COPIED_STAGES)["seconds"] for s in seeds},
+        "exercise_polite_wrong_outranks_plain_correct": {
+            **_spread(shortcut), "contexts": results[seeds[0]]["exercise"]["contexts"]},
+        # first stage start to last stage end; the stages copied from the main run left out
+        "seconds_per_seed": {str(s): run_facts(manifests_path(s, config),
+                                               skip=COPIED_STAGES).get("seconds") for s in seeds},
+        "interval": "95 %, bootstrap over the seeds, then over the prompts within each drawn "
+                    "seed (uncertainty.over_seeds); difference_to_sft is paired within seeds",
         "note": "sd: sample standard deviation over the seeds; the corpus and the base model "
-                "are the same in every seed, so the spread is the learning stages' alone",
+                "are the same in every seed, so the spread is the learning stages' alone; the "
+                "main seed's run has its resume triples, the others do not",
     }
     write_json(layout.SEEDS_SUMMARY, content)
     log(f"seeds {seeds}: " + ", ".join(
-        f"{p} {v['rubric_success_rate']['mean']:.3f} (sd {v['rubric_success_rate']['sd']})"
+        f"{p} {v['rubric_success_rate']['mean']:.3f} {v['rubric_success_rate']['interval_95']}"
         for p, v in policies.items()))
-    return {"seeds": seeds, "policies": policies}
+    return {"seeds": seeds, "policies": {p: {m: {k: v[m][k] for k in ("mean", "interval_95")}
+                                             for m in MEASURES} for p, v in policies.items()}}
 
 
 def stage(name: str, config: dict, run_, log=print) -> dict:

@@ -100,3 +100,43 @@ def paired_difference(rows: list[dict], baseline: list[dict]) -> dict[str, dict]
                      "within_noise": None if interval is None or difference is None
                      else bool(interval[0] <= 0 <= interval[1])}
     return out
+
+
+def over_seeds(per_seed: list[list[dict]], baseline: list[list[dict]] | None = None
+               ) -> dict[str, dict]:
+    """Each statistic's mean over learning seeds (one list of rows per seed) and its 95 %
+    interval over seeds and prompts: a resample draws the seeds with replacement, then in each
+    drawn seed its prompts with replacement, and averages the drawn seeds' statistics. So the
+    interval covers what another training draw changes as well as what other prompts change.
+    With `baseline` (the same seeds' SFT rows), the paired difference instead: each seed's
+    statistic minus its SFT's on the same drawn prompts."""
+    rng = np.random.Generator(np.random.PCG64(SEED))
+    seeds = len(per_seed)
+    picked = rng.multinomial(seeds, np.full(seeds, 1.0 / seeds), size=RESAMPLES)
+    points, drawn = [], []
+    for index, rows in enumerate(per_seed):
+        prompts, sums = cluster_sums(rows)
+        counts = rng.multinomial(len(prompts), np.full(len(prompts), 1.0 / len(prompts)),
+                                 size=RESAMPLES)
+        point, resampled = _ratios(sums.sum(0)), _ratios(counts @ sums)
+        if baseline is not None:
+            base_prompts, base_sums = cluster_sums(baseline[index])
+            base_sums = base_sums[[base_prompts.index(p) for p in prompts]]
+            point = {k: v - b for (k, v), b in zip(point.items(),
+                                                   _ratios(base_sums.sum(0)).values())}
+            resampled = {k: v - b for (k, v), b in zip(resampled.items(),
+                                                       _ratios(counts @ base_sums).values())}
+        points.append(point)
+        drawn.append(resampled)
+    out = {}
+    for name in STATISTICS:
+        values = np.array([float(p[name]) for p in points])
+        matrix = np.stack([d[name] for d in drawn], axis=1)  # (RESAMPLES, seeds)
+        weights = np.where(np.isnan(matrix), 0, picked)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = np.nansum(np.where(weights > 0, matrix, 0) * weights, 1) / weights.sum(1)
+        kept = values[~np.isnan(values)]
+        out[name] = {"mean": float(kept.mean()) if len(kept) else None,
+                     "per_seed": [None if np.isnan(v) else float(v) for v in values],
+                     "interval_95": _interval(means)}
+    return out

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from reprorl.core import devices
+from reprorl.core import devices, numerics
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import atomic_write_text
 
@@ -394,6 +394,10 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         help="auto, cpu, cuda or cuda:N (a BF16-capable GPU, deterministic algorithms on)")
     add("--trust-remote-code", action="store_true", help="allow the model's own code")
     add("--seed", type=int, default=0)
+    # read by `reprorl serve` before torch loads (reprorl.core.numerics); a child of a stage
+    # inherits its stage's mode instead
+    add("--numerics", choices=numerics.MODES, default=None,
+        help="portable: AVX2 kernels pinned, the same bits on any x86-64 CPU with AVX2")
     return parser.parse_args(argv)
 
 
@@ -440,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads)
     try:
+        if args.numerics not in (None, numerics.mode()):  # torch is loaded: too late to pin
+            raise ReproError(f"--numerics {args.numerics} is pinned before torch loads: start "
+                             f"the server as `reprorl serve --numerics {args.numerics}`")
+        numerics.check()  # a stage's portable pins, inherited: refused if torch ignored them
         device = devices.prepare(args.device, "--device")
     except ReproError as error:
         print(f"reprorl serve: error: {error}", file=sys.stderr)
