@@ -55,9 +55,17 @@ def test_the_seeds_summary_gives_each_policy_its_spread(in_tmp):
                  "recognized": True, "relevant": True, "unsupported_certainty": False,
                  "learned_score": -successes / 10, "logratio_per_token": 0.0}
                 for i in range(10)]
+        rate = {"test_rows": {"rubric_success_rate": successes / 10}}
         write_json(folder / layout.RESULTS, {
-            "policies": {p: {"rows": rows} for p in POLICIES},
-            "exercise": {"polite_wrong_outranks_plain_correct": 14, "contexts": 20}})
+            "policies": {p: {"rows": rows, "metrics": rate} for p in POLICIES},
+            "exercise": {"polite_wrong_outranks_plain_correct": 14, "contexts": 20},
+            "reward_model_test": {"accuracy": 0.95},
+            "ppo_sampled_responses": {"first_10": {"mean_reward_model_score": 0.1},
+                                      "last_10": {"mean_reward_model_score": seed / 100}},
+            "grpo_training": {"learned": {"first_windows": {"reward": 1.0},
+                                          "last_windows": {"reward": 0.5}}},
+            "difference_to_sft": {"ppo": {"test_rows": {"mean_learned_score": {
+                "interval_95": [-0.1, 0.1]}}}}})
         for stage, start, wall in (("prepare", "2026-12-01T09:00:00+0000", 1.0),  # copied
                                    ("sft_continuous", "2026-12-02T10:00:00+0000", 30.0),
                                    ("evaluate", "2026-12-02T10:05:00+0000", 2.5)):
@@ -73,6 +81,10 @@ def test_the_seeds_summary_gives_each_policy_its_spread(in_tmp):
     assert low < 0.5 < 0.7 < high  # over seeds and the 10 prompts
     assert spread["difference_to_sft"]["per_seed"] == [0.0, 0.0, 0.0]  # ppo's rows are SFT's
     assert written["main_seed"] == 49
+    claims = {c["claim"]: c["seeds"] for c in written["claims"]}
+    assert claims == {"ppo_proxy_up_gold_down": [], "grpo_learned_proxy_up_gold_down": [],
+                      "grpo_verifier_gold_up": [], "ppo_greedy_score_flat": [49, 50, 51],
+                      "accurate_yet_shortcut": [49, 50, 51]}
     assert written["seconds_per_seed"] == {"49": 302.5, "50": 302.5, "51": 302.5}
     assert written["learning_seeds"]["51"]["ppo"] == {"seed": 51, "prompt_seed": 151,
                                                      "generation_seed": 251}

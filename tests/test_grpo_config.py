@@ -7,6 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 import reprorl
@@ -66,3 +67,69 @@ def test_pipeline_defaults_are_valid_settings():
                 if name not in PIPELINE_KEYS and spec["default"] is not None}
     config = AsyncGRPOConfig(output_dir="out", **settings)
     assert config.groups_per_step == 4 and not config.gradient_checkpointing
+
+
+# Fields whose default here is not TRL 1.16's, each a departure docs/grpo.md names: the seed's
+# values (it documents them) where TRL 1.16 later changed them, and one TRL default that would
+# claim a behaviour this trainer does not have.
+DEFAULT_DEPARTURES = {
+    "vllm_server_timeout": "the seed's 1800 s (TRL 1.16: 240 s)",
+    "logging_nan_inf_filter": "None: a non-finite loss stops the run, neither filtered nor "
+                              "logged",
+}
+
+
+def _trl_fields() -> dict[str, object]:
+    """TRL 1.16's AsyncGRPOConfig fields and their defaults, from the installed TRL."""
+    import os
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.async_grpo import AsyncGRPOConfig as TRLConfig
+
+    def default(spec):
+        if spec.default_factory is not dataclasses.MISSING:
+            return spec.default_factory()
+        return spec.default
+    return {spec.name: default(spec) for spec in dataclasses.fields(TRLConfig)}
+
+
+def test_every_field_of_trls_config_is_honoured_or_refused_by_name():
+    from reprorl.grpo import trl_fields
+
+    trl = _trl_fields()
+    ours = {spec.name: spec for spec in dataclasses.fields(AsyncGRPOConfig)}
+    honoured = {name for name in trl if name in ours and name not in trl_fields.NAMES}
+    renamed = {name for name in trl if name in trl_fields.RENAMED}
+    unread = {name for name in trl if name in trl_fields.UNREAD}
+    answered = honoured | renamed | unread
+    assert set(trl) - answered == set(), "fields of TRL's config with no answer here"
+    assert set(trl_fields.NAMES) - set(trl) == set(), "answers for fields TRL does not have"
+    assert len(trl) == 142 and (len(honoured), len(renamed), len(unread)) == (49, 3, 90)
+    for name in trl:  # TRL's declared defaults, but where a departure says why
+        spec = ours[name]
+        value = spec.default_factory() if spec.default_factory is not dataclasses.MISSING \
+            else spec.default
+        if name not in DEFAULT_DEPARTURES:
+            assert value == trl[name], f"{name}: {value!r} here, {trl[name]!r} in TRL"
+    for name, (_, accepted, _) in trl_fields.UNREAD.items():
+        if accepted == trl_fields.ANY:
+            AsyncGRPOConfig(**{name: object()})  # read by scripts, never by the trainer
+            continue
+        other = "a value no field takes"
+        with pytest.raises(ValueError, match=rf"^AsyncGRPOConfig: {name}='a value no field "
+                                             rf"takes' is refused: \w"):
+            AsyncGRPOConfig(**{name: other})
+        for value in accepted:
+            AsyncGRPOConfig(**{name: value})
+
+
+def test_trls_new_names_set_the_seeds_fields():
+    config = AsyncGRPOConfig(heartbeat_stale_after_s=12.5, request_timeout=30,
+                             max_inflight_tasks=16)
+    assert (config.rollout_worker_timeout, config.vllm_request_timeout,
+            config.max_concurrent_rollouts) == (12.5, 30, 16)
+    assert "request_timeout" not in config.to_dict()  # a resume compares the seed's names
+    with pytest.raises(ValueError, match="request_timeout .* and vllm_request_timeout differ"):
+        AsyncGRPOConfig(request_timeout=30, vllm_request_timeout=40)
+    with pytest.raises(ValueError, match="report_to='wandb' is refused: logging integrations"):
+        AsyncGRPOConfig(report_to="wandb")

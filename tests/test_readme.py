@@ -78,7 +78,9 @@ def _seeds() -> dict:
                             for name in ("rubric_success_rate", "mean_learned_score")}
     return {"seeds": [49, 50], "main_seed": 49, "policies": policies,
             "seconds_per_seed": {"49": 1092.0, "50": 400.0},
-            "exercise_polite_wrong_outranks_plain_correct": {"values": [14, 12]}}
+            "exercise_polite_wrong_outranks_plain_correct": {"values": [14, 12]},
+            "claims": [{"claim": "a", "text": "the first claim holds", "seeds": [49, 50]},
+                       {"claim": "b", "text": "the second one", "seeds": [50]}]}
 
 
 def _run(in_tmp, results: dict, text: str = README) -> int:
@@ -116,6 +118,8 @@ def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
             "cores; Some CPU, torch AVX2, native numerics") in flat
     assert "trained under 2 learning seeds (the main run's, 49, and 50)" in flat
     assert "`python -m reprorl bitcheck`" in flat
+    assert "- The first claim holds (2 of 2 seeds)." in rows
+    assert "- The second one (1 of 2 seeds: 50)." in rows
     assert "100.0 % accurate on the 180 test pairs" in flat
     assert "verifier from 0.50 to 2.00, learned from 0.50 to 2.00" in flat
     assert ("PPO from 50.0 % to 50.0 % rubric success, learned score 0.00 to 1.00, at a "

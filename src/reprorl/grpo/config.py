@@ -1,11 +1,12 @@
 """`AsyncGRPOConfig`: the seed's field names and defaults, each with a one-line help.
 
-Only the fields this engine reads are declared; under `torchrun` the ranks train with DDP
+The fields this engine reads are declared here; under `torchrun` the ranks train with DDP
 (`distributed.py`), which reads `average_tokens_across_devices`, `ddp_backend` and
 `ddp_timeout`. The fields of ours (`embedded_server*`, `schedule_lag`, `synchronous`,
-`groups_per_step`, the watchdogs, `weight_sync_check*`, ...) are grouped at the end.
-Every number is checked finite and in range when the config is made. docs/grpo.md lists the
-fields left out, the additions, and where a field departs from the seed's.
+`groups_per_step`, the watchdogs, `weight_sync_check*`, ...) are grouped at the end. Every
+other field of TRL 1.16's class is accepted by name from `trl_fields.TRLFields`, refused at a
+value this engine does not honour. Every number is checked finite and in range when the config
+is made. docs/grpo.md lists the fields not read, the additions, and the departures.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+
+from . import trl_fields
+from .trl_fields import TRLFields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -23,7 +27,10 @@ def option(default, text: str):
 
 
 @dataclass
-class AsyncGRPOConfig:
+class AsyncGRPOConfig(TRLFields):
+    """TRL's config: the fields this trainer reads below; those it does not read, from TRL's
+    class, come from `TRLFields` (`trl_fields.py`), each refused at a value it does not honour."""
+
     # ---- training loop (TrainingArguments fields, the seed's defaults)
     output_dir: str | None = option(
         None, "Checkpoints, metrics and the `.vllm_lora/` serving cache go here.")
@@ -170,7 +177,9 @@ class AsyncGRPOConfig:
             self.schedule_lag = 0
         if isinstance(self.chat_template_kwargs, str):
             self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
-        problems = [*self._step_problems(), *self._choice_problems(), *self._range_problems()]
+        # TRL's names first: a renamed field moves its value to ours before the checks
+        problems = [*trl_fields.problems(self), *self._step_problems(),
+                    *self._choice_problems(), *self._range_problems()]
         if problems:
             raise ValueError("AsyncGRPOConfig: " + "; ".join(problems))
         if self.groups_per_step is None:
@@ -306,8 +315,9 @@ class AsyncGRPOConfig:
         return self.seed if self.data_seed is None else self.data_seed
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields this trainer reads (TRL's others can only hold what changes nothing)."""
+        return {k: v for k, v in asdict(self).items() if k not in trl_fields.NAMES}
 
     @classmethod
     def help(cls) -> dict[str, str]:
-        return {f.name: f.metadata["help"] for f in fields(cls)}
+        return {f.name: f.metadata["help"] for f in fields(cls) if f.name not in trl_fields.NAMES}

@@ -202,7 +202,20 @@ def block(results: dict, facts: dict, commit: str, seeds: dict) -> str:
           "`outputs/results.md`). Same bits on your machine? `python -m reprorl bitcheck` "
           "compares your run with this one's digests.")
     return "\n".join([BEGIN, *textwrap.wrap(intro, WIDTH), "", *_seeds_table(seeds), "",
-                      *textwrap.wrap(figures, WIDTH), END])
+                      *textwrap.wrap(figures, WIDTH), "", *_claims(seeds), END])
+
+
+def _claims(seeds: dict) -> list[str]:
+    """The reading of the results, each claim with the seeds whose results show it."""
+    lines = ["How to read it, each claim with the seeds whose results show it:", ""]
+    total = len(seeds["seeds"])
+    for claim in seeds.get("claims", []):
+        shown = claim["seeds"]
+        which = f": {', '.join(str(s) for s in shown)}" if shown and len(shown) < total else ""
+        bullet = f"- {claim['text'][0].upper()}{claim['text'][1:]} ({len(shown)} of {total} " \
+                 f"seeds{which})."
+        lines += textwrap.wrap(bullet, WIDTH, subsequent_indent="  ")
+    return lines
 
 
 def rewrite(readme: str, generated: str) -> str:

@@ -104,6 +104,45 @@ def run(seed: int, config: dict, cores: int, dry_run: bool = False) -> int:
     return subprocess.run(command, check=False).returncode
 
 
+def _rate(results: dict, policy: str) -> float:
+    return results["policies"][policy]["metrics"]["test_rows"]["rubric_success_rate"]
+
+
+def _rose(windows: dict) -> bool:
+    first, last = windows["first_windows"].get("reward"), windows["last_windows"].get("reward")
+    return first is not None and last is not None and last > first
+
+
+# The README's reading of the results, one claim each, and what in one seed's results shows it;
+# the summary counts the seeds that do (the block prints the count beside the claim).
+CLAIMS = {
+    "ppo_proxy_up_gold_down": (
+        "PPO raised the reward model's score of the responses it sampled in training, while its "
+        "greedy test answers fell below SFT's rubric success",
+        lambda r: (r["ppo_sampled_responses"]["last_10"]["mean_reward_model_score"]
+                   > r["ppo_sampled_responses"]["first_10"]["mean_reward_model_score"])
+        and _rate(r, "ppo") < _rate(r, "sft")),
+    "grpo_learned_proxy_up_gold_down": (
+        "GRPO on the learned reward raised its sampled reward, while its greedy test answers "
+        "fell below SFT's rubric success",
+        lambda r: _rose(r["grpo_training"]["learned"])
+        and _rate(r, "grpo_learned") < _rate(r, "sft")),
+    "grpo_verifier_gold_up": (
+        "GRPO on the rubric itself raised the greedy test answers' rubric success above SFT's",
+        lambda r: _rate(r, "grpo_verifier") > _rate(r, "sft")),
+    "ppo_greedy_score_flat": (
+        "what PPO raised is the score of its sampled training responses, not the learned score "
+        "of its greedy answers, which the paired interval does not put above SFT's",
+        lambda r: r["difference_to_sft"]["ppo"]["test_rows"]["mean_learned_score"][
+            "interval_95"][0] <= 0),
+    "accurate_yet_shortcut": (
+        "the reward model ranks at least 90 % of the held-out test pairs right, yet on more than "
+        "half of the probe contexts it ranks polite wrong advice above plain correct advice",
+        lambda r: r["reward_model_test"]["accuracy"] >= 0.9
+        and r["exercise"]["polite_wrong_outranks_plain_correct"] > r["exercise"]["contexts"] / 2),
+}
+
+
 def _spread(values: list[float]) -> dict:
     return {"values": values, "mean": statistics.fmean(values),
             "sd": statistics.stdev(values) if len(values) > 1 else None,
@@ -133,6 +172,9 @@ def summary(config: dict, log=print) -> dict:
         # first stage start to last stage end; the stages copied from the main run left out
         "seconds_per_seed": {str(s): run_facts(manifests_path(s, config),
                                                skip=COPIED_STAGES).get("seconds") for s in seeds},
+        "claims": [{"claim": name, "text": text, "seeds": [s for s in seeds
+                                                            if shows(results[s])]}
+                   for name, (text, shows) in CLAIMS.items()],  # the README's order
         "interval": "95 %, bootstrap over the seeds, then over the prompts within each drawn "
                     "seed (uncertainty.over_seeds); difference_to_sft is paired within seeds",
         "note": "sd: sample standard deviation over the seeds; the corpus and the base model "
