@@ -3,7 +3,8 @@
 `native` lets every library take the fastest kernels this CPU offers, so the bits depend on the
 CPU type (AVX-512 rounds otherwise than AVX2 from the first pretraining step on). `portable`
 fixes each choice that depends on the CPU to one any x86-64 CPU with AVX2 and FMA can run, so
-two such machines compute the same bits: ATen's vector kernels, MKL's code path (conditional
+that two such machines compute the same bits (docs/reproducibility.md names the one kernel
+known not to yet): ATen's vector kernels, MKL's code path (conditional
 numerical reproducibility: its vendor-neutral branch, strict), oneDNN's instruction set,
 NumPy's SIMD dispatch and its OpenBLAS core, and the threads (the stage's declared count,
 whatever the machine has).

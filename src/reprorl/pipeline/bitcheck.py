@@ -4,8 +4,9 @@ A run's digests (`reprorl digests --write FILE`) hold every tensor of every file
 (model, checkpoints, snapshots, resume states, each tensor with its dtype and shape), the bytes
 of `outputs/results-rows.csv`, and each stage's manifest seen without the commit: its hashed
 section minus the code hash, every input and output by its content (tensor files by their
-tensors, JSON without code hashes and other files' hashes), so two commits that compute the
-same bits give the same digests. They also name the machine, the numerics mode and the libraries.
+tensors, JSON without code hashes and other files' hashes, rendered pages by what they
+render), so two commits that compute the same bits give the same digests. They also name the
+machine, the numerics mode and the libraries.
 
 `reprorl bitcheck [FILE or RUN ...]` compares this folder's run with each: "same bits", or the
 first stage (in the DAG's order) whose outputs differ, its first differing file and tensor, and
@@ -86,6 +87,10 @@ def content_digest(path: Path, tensors: dict | None = None) -> str:
     if path.name.endswith(TENSOR_SUFFIXES):
         digests = tensors if tensors is not None else file_tensors(path)
         return hashlib.sha256(canonical_json(digests).encode()).hexdigest()
+    if path.suffix in (".md", ".html"):
+        # pages rendered from the JSON and figures compared beside them (results.md, the
+        # report); they also print the gzip sizes of resume states, which hold the code hash
+        return "a rendering"
     if path.suffix == ".json":
         try:
             value = json.loads(path.read_text())
