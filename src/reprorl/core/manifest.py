@@ -220,19 +220,6 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
-def _cpuinfo() -> dict[str, str]:
-    """The first processor's entries of /proc/cpuinfo (empty where there is none)."""
-    fields: dict[str, str] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return fields
-    for line in text.split("\n\n")[0].splitlines():
-        key, _, value = line.partition(":")
-        fields[key.strip()] = value.strip()
-    return fields
-
-
 def cpu_features() -> tuple[dict, dict]:
     """The CPU as the numeric libraries see it, split in what decides the bits (hashed) and what
     only describes the machine (run). Under native numerics the CPU type decides them (the same
@@ -242,7 +229,7 @@ def cpu_features() -> tuple[dict, dict]:
     those vary on one machine; the torch threads are the stage's own setting."""
     import torch
 
-    info = _cpuinfo()
+    info = numerics.cpuinfo()
     flags = set((info.get("flags") or info.get("Features") or "").split())
     build = torch.__config__.show()
     versions = {name: match.group(1) for name, pattern in (

@@ -48,15 +48,17 @@ def mode() -> str:
     return os.environ.get(MODE_VARIABLE, "native")
 
 
-def _cpu_flags() -> set[str] | None:
+def cpuinfo() -> dict[str, str]:
+    """The first processor's entries of /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return None
+        return fields
+    for line in text.split("\n\n")[0].splitlines():
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    return fields
 
 
 def refuse_unportable(config: dict) -> None:
@@ -83,8 +85,8 @@ def pin(wanted: str) -> None:
     if "torch" in sys.modules and mode() != "portable":
         raise ReproError("numerics: portable must be set before torch is imported (ATen and "
                          "MKL read their settings once); start a fresh process")
-    flags = _cpu_flags()
-    if flags is not None and (missing := [f for f in REQUIRED_FLAGS if f not in flags]):
+    flags = cpuinfo().get("flags")
+    if flags is not None and (missing := [f for f in REQUIRED_FLAGS if f not in flags.split()]):
         raise ReproError(f"numerics: portable runs AVX2 kernels, but this CPU lacks "
                          f"{', '.join(missing)}; set numerics: native")
     os.environ.update(PORTABLE)
