@@ -150,3 +150,12 @@ def training_inputs(branch, mode):
     if mode == "resume":
         inputs["interrupted"] = str(layout.state(branch, "interrupt"))
     return inputs
+
+
+def nested_cores(wildcards, threads):
+    """Cores of a seed's nested run: every core Snakemake has where it runs the jobs itself;
+    under a cluster executor (no --cores) the job's own threads."""
+    try:
+        return max(threads, workflow.cores)
+    except WorkflowError:
+        return threads

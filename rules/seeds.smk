@@ -23,17 +23,19 @@ rule seed_run:
         layout.benchmark("seed_run-{seed}")
     conda:
         "../workflow/envs/reprorl.yaml"
-    # the nested run schedules its own jobs on these: locally Snakemake lowers a rule's threads
-    # to --cores, so it gets them all (workflow.cores would fail where no --cores is given, as
-    # under the SLURM profile, which sets seed_run's threads itself)
-    threads: 1024
+    # one core here, yet the nested run may use every core (nested_cores): the seed runs and
+    # the main run's jobs then fill each other's gaps, two at a time on two cores, where a seed
+    # holding all cores alone left one idle along its longest path (the SLURM profile sets
+    # seed_run's threads itself)
+    threads: 1
     params:
         config=json.dumps(
             {k: v for k, v in config.items() if k != "seeds"}, sort_keys=True
         ),
+        cores=nested_cores,
     shell:
         "python -m reprorl seed-run {wildcards.seed} --config-json {params.config:q}"
-        " --cores {threads} > {log} 2>&1"
+        " --cores {params.cores} > {log} 2>&1"
 
 
 rule seeds:

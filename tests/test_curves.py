@@ -29,7 +29,7 @@ def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():
     assert seeds.main_seed(config) == 49  # the defaults are seed 49's
     assert seeds.results_path(49, config) == layout.RESULTS  # so its results are the main run's
     assert seeds.results_path(50, config) == layout.seed_dir(50) / layout.RESULTS
-    assert seeds.seed_config(config, 49) == {**config, "resume_triples": False}
+    assert seeds.seed_config(config, 49) == {**config, "resume_triples": False, "curves": False}
     moved = seeds.seed_config(config, 50)
     changed = {(section, key) for section in config if isinstance(config[section], dict)
                for key in config[section] if moved[section][key] != config[section][key]}
@@ -38,6 +38,7 @@ def test_seed_49_is_the_main_run_and_others_move_only_learning_seeds():
                        ("ppo", "generation_seed"), ("grpo", "seed")}
     assert moved["ppo"]["generation_seed"] == 250 and moved["seed"] == 49  # corpus fixed
     assert not moved["resume_triples"]  # the main run's triples prove resumption
+    assert not moved["curves"]  # the summary reads the held-out rates alone
     uneven = configuration.validate({"ppo": {"prompt_seed": 7}})
     assert seeds.main_seed(uneven) is None  # no seed's run is the main run's
 

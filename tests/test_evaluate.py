@@ -3,7 +3,9 @@
 import re
 from pathlib import Path
 
+import jsonschema
 import pytest
+import yaml
 
 from reprorl.core.manifest import ReproError, write_json
 from reprorl.pipeline import evaluate, generate, results_markdown, uncertainty
@@ -188,3 +190,19 @@ def test_markdown_names_the_score_and_the_scope(tmp_path):
     assert "| f0 | +0.500 | -0.250 | yes |" in text and "| f19 | +0.500 | -0.250 | no |" in text
     assert "| verifier | 3 | 0.25 -> 0.75 | n/a -> n/a | n/a -> n/a | 1 -> n/a |" in text
     assert "| grpo_learned | 50 (50%) | 1.000 | 50.0 % | 0.500 | 100.0 % | 0 |" in text
+
+
+def test_a_run_without_curves_says_so_in_its_results():
+    """`curves: false` (a seed run beside the main one): no curve is read, the results say why,
+    the schema takes that and no other shape, and the page prints the reason."""
+    skipped = evaluate.over_optimisation({"curves": False}, sft_validation={})
+    assert skipped == {"status": "not run",
+                       "why": "curves is false: the main run's curves show it"}
+    schema = yaml.safe_load((Path(evaluate.__file__).parents[1] / "schemas" /
+                             "results.schema.yaml").read_text())["properties"]["over_optimisation"]
+    jsonschema.validate(skipped, schema)
+    jsonschema.validate(OVER_OPTIMISATION, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"status": "not run"}, schema)  # no reason given
+    page = "\n".join(results_markdown.curves_markdown(skipped, evaluate.SCORE_NAME))
+    assert page.endswith("Not run: curves is false: the main run's curves show it.")

@@ -20,7 +20,7 @@ from conftest import copy_workflow, reprorl, snakemake
 from reprorl.core import config as configuration
 from reprorl.core.layout import FIGURES
 from reprorl.core.manifest import read_json, sha256_file, write_json
-from reprorl.core.stages import EXPORTS, STAGES
+from reprorl.core.stages import CURVES, EXPORTS, STAGES
 
 pytestmark = pytest.mark.e2e
 MODES = ("interrupt", "continuous", "resume", "resume_check")
@@ -318,8 +318,8 @@ def test_a_second_clean_run_gives_identical_manifests(workflow, tmp_path):
 def test_a_seed_run_reuses_the_corpus_and_base_and_rebuilds_the_rest(workflow):
     """`reprorl seed-run` (the seeds target's step) on the CI profile, as a dry run of its
     nested Snakemake: the corpus and base model copied in count as built, every learning
-    stage's straight run and everything after it is to run, no interrupted or resumed run
-    and no resume check (the main run's prove resumption; a five-seed run is in
+    stage's straight run and everything after it is to run, no interrupted or resumed run,
+    no resume check (the main run's prove resumption) and no curve (a five-seed run is in
     benchmarks/RESULTS.md)."""
     ci = json.dumps(configuration.load(str(workflow / "configs/ci.yaml")))
     result = reprorl(workflow, "seed-run", "50", "--config-json", ci, "--cores", "2",
@@ -327,8 +327,9 @@ def test_a_seed_run_reuses_the_corpus_and_base_and_rebuilds_the_rest(workflow):
     planned = set(re.findall(r"^(?:local)?rule (\w+):", result.stdout, flags=re.M))
     triples = {f"{branch}_{mode}" for branch in EXPORTS
                for mode in ("interrupt", "resume", "resume_check")}
+    curves = {f"curve_{branch}" for branch in CURVES}
     assert planned == set(STAGES) - {"prepare", "base_model", "audit", "seeds", "report"} - (
-        triples)
+        triples) - curves
     work = workflow / "outputs/seeds/50"
     assert sha256_file(work / "data/generated/manifest.json") == sha256_file(
         workflow / "data/generated/manifest.json")

@@ -3,8 +3,7 @@
 `native` lets every library take the fastest kernels this CPU offers, so the bits depend on the
 CPU type (AVX-512 rounds otherwise than AVX2 from the first pretraining step on). `portable`
 fixes each choice that depends on the CPU to one any x86-64 CPU with AVX2 and FMA can run, so
-that two such machines compute the same bits (docs/reproducibility.md names the one kernel
-known not to yet): ATen's vector kernels, MKL's code path (conditional
+that two such machines compute the same bits: ATen's vector kernels, MKL's code path (conditional
 numerical reproducibility: its vendor-neutral branch, strict), oneDNN's instruction set,
 NumPy's SIMD dispatch and its OpenBLAS core, and the threads (the stage's declared count,
 whatever the machine has).
@@ -38,6 +37,11 @@ PORTABLE = {
     "OPENBLAS_CORETYPE": "Haswell",
     "OPENBLAS_NUM_THREADS": "1",
 }
+# How every pipeline stage builds AdamW, in both modes: fused, one ATen kernel. The default
+# (foreach) update takes float32 sqrt from a library routine that is not correctly rounded: its
+# bits differed between CPU types under every MKL_CBWR, where the fused kernel's agreed
+# (benchmarks/RESULTS.md, "Portable numerics").
+ADAMW = {"fused": True}
 CAPABILITY = "AVX2"  # what torch must report once the pins took hold
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")  # /proc/cpuinfo flags the pinned kernels execute
 MODE_VARIABLE = "REPRORL_NUMERICS"

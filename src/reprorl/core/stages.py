@@ -143,7 +143,7 @@ STAGES: dict[str, Stage] = {
                                    _fixed(generations=layout.generations(policy)))
        for policy in POLICIES},
     "reward_test": Stage("pipeline.evaluate", TRAINING, _fixed(test=layout.REWARD_TEST)),
-    "evaluate": Stage("pipeline.evaluate", ("resume_triples",), _fixed(
+    "evaluate": Stage("pipeline.evaluate", ("resume_triples", "curves"), _fixed(
         results=layout.RESULTS, table=layout.RESULTS_TABLE, rows=layout.RESULTS_ROWS)),
     "exercise": Stage("pipeline.evaluate", TRAINING, _fixed(shortcuts=layout.EXERCISE)),
     "report": Stage("pipeline.report", (), _fixed(

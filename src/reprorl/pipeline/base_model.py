@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from reprorl.core import devices, layout
+from reprorl.core import devices, layout, numerics
 from reprorl.core.errors import ModelDirectoryError, ReproError
 from reprorl.core.manifest import (
     atomic_directory,
@@ -130,9 +130,8 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     pad_id = tokenizer.pad_token_id
     order_rng = torch.Generator().manual_seed(settings["shuffle_seed"])
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=settings["learning_rate"], weight_decay=settings["weight_decay"]
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings["learning_rate"],
+                                  weight_decay=settings["weight_decay"], **numerics.ADAMW)
     model.train()  # the embedded config has no dropout; train() only documents intent
     order: list[int] = []
     curve = []

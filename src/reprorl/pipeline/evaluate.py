@@ -264,8 +264,11 @@ CURVE_KEYS = ("step", "fraction", "rubric_success_rate", "mean_learned_score", "
               "recognized_rate", "cut")
 
 
-def over_optimisation(sft_validation: dict) -> dict:
-    """Each run's curve (`curves.py`): the SFT point (step 0), then its snapshots."""
+def over_optimisation(config: dict, sft_validation: dict) -> dict:
+    """Each run's curve (`curves.py`): the SFT point (step 0), then its snapshots; with
+    `curves: false` (a seed run beside the main one) a line saying so."""
+    if not config["curves"]:
+        return {"status": "not run", "why": "curves is false: the main run's curves show it"}
     start = {"step": 0, "fraction": 0.0, **sft_validation}
     runs = {}
     for branch in CURVES:
@@ -295,7 +298,7 @@ def evaluate(config: dict, policies: list[str]) -> dict:
         "reward_model_test": {k: v for k, v in read_input(layout.REWARD_TEST).items()
                               if k != "rows"},
         "sft_validation": {k: v for k, v in sft_validation.items() if k != "rows"},
-        "over_optimisation": over_optimisation(sft_validation),
+        "over_optimisation": over_optimisation(config, sft_validation),
         "ppo_sampled_responses": {k: v for k, v in read_input(layout.PPO_SAMPLED).items()
                                   if k != "iterations"},
         "grpo_training": {run: {k: v for k, v in reports[f"grpo_{run}"].items()

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from reprorl.core import devices, layout
+from reprorl.core import devices, layout, numerics
 from reprorl.core.codehash import code_hash
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import (
@@ -254,7 +254,7 @@ def train(config: dict, mode: str, log=print) -> dict:
     optimizers = {
         name: torch.optim.AdamW([p for p in roles_[name].parameters() if p.requires_grad],
                                 lr=settings[f"{name}_learning_rate"],
-                                weight_decay=settings["weight_decay"])
+                                weight_decay=settings["weight_decay"], **numerics.ADAMW)
         for name in ("actor", "critic")
     }
     schedule = functools.partial(learning_rates, settings)

@@ -123,7 +123,7 @@ def _ordered(mapping: dict, order) -> list:
 
 def _curves(curves: dict | None) -> str:
     """Each run's over-optimisation curve, start to end (an older results.json has none)."""
-    if not curves:
+    if not curves or "runs" not in curves:
         return ""
     parts = []
     for run, points in _ordered(curves["runs"], POLICIES):
@@ -153,8 +153,10 @@ def _seeds_table(seeds: dict) -> list[str]:
     return rows
 
 
-def block(results: dict, facts: dict, commit: str, seeds: dict) -> str:
-    """The generated block, markers included: the seeds' table, then the main seed's run."""
+def block(results: dict, facts: dict, commit: str, seeds: dict, total: float | None = None,
+          ) -> str:
+    """The generated block, markers included: the seeds' table, then the main seed's run
+    (`total`: seconds from the main run's first stage to the seeds' summary, where known)."""
     where = [f"commit {commit}"]
     if facts:
         where.append(f"the main run: {facts['stages']} stages in "
@@ -165,6 +167,9 @@ def block(results: dict, facts: dict, commit: str, seeds: dict) -> str:
     if others:
         span = {_duration(min(others)), _duration(max(others))}
         where.append(f"each other seed's run {' to '.join(sorted(span, key=len))}")
+    if total:
+        where.append(f"all {len(seeds['seeds'])} seeds {_duration(total)} from the main run's "
+                     "first stage to the summary")
     where += [f"{n} cores" for n in facts.get("cores", [])]
     where += facts.get("cpus", [])
     main = seeds["main_seed"]
@@ -239,7 +244,8 @@ def main(results_path: str, readme_path: str, manifests: str, commit: str | None
     # the main run's span: the seeds stage, which waits for the other seeds, left out
     text = rewrite(readme.read_text(), block(
         results, run_facts(Path(manifests), skip=("seeds",)),
-        commit or commit_of(Path(results_path), readme), seeds))
+        commit or commit_of(Path(results_path), readme), seeds,
+        total=run_facts(Path(manifests)).get("seconds")))
     if digests:  # first: a block is never published without the digests it came from
         from .bitcheck import write
 

@@ -138,6 +138,9 @@ def plot_curves(plt, data: dict):
     """Gold and proxy against the distance from SFT, one line per run (results.json)."""
     curves = data["results"]["over_optimisation"]
     figure, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharex=True)
+    if "runs" not in curves:  # curves: false
+        figure.suptitle(f"Over-optimisation curves not run: {curves['why']}", fontsize=9)
+        return figure
     for run, points in curves["runs"].items():
         distance = [p["sampled_logratio"] for p in points]
         for axis, key in zip(axes, ("rubric_success_rate", "mean_learned_score")):

@@ -126,9 +126,11 @@ def markdown(results: dict) -> str:
 
 
 def curves_markdown(curves: dict, score: str) -> list[str]:
-    lines = ["", "## Over-optimisation (180 validation prompts; never used for selection)", "",
-             (f"Gold: {curves['gold']}. Proxy: {curves['proxy']}. Distance: "
-              f"{curves['distance']}. Step 0 is the SFT actor every run starts from."), ""]
+    lines = ["", "## Over-optimisation (180 validation prompts; never used for selection)", ""]
+    if "runs" not in curves:
+        return [*lines, f"Not run: {curves['why']}."]
+    lines += [(f"Gold: {curves['gold']}. Proxy: {curves['proxy']}. Distance: "
+               f"{curves['distance']}. Step 0 is the SFT actor every run starts from."), ""]
     return lines + markdown_table([
         {"run": run, "step": f"{p['step']} ({p['fraction']:.0%})",
          "distance (nats)": f"{p['sampled_logratio']:.3f}",

@@ -49,12 +49,13 @@ def learning_seeds(seed: int) -> dict:
 
 
 def seed_config(config: dict, seed: int) -> dict:
-    """`config` with every learning stage's seeds moved to `seed`, and no resume triples (see
-    the top)."""
+    """`config` with every learning stage's seeds moved to `seed`, without resume triples or
+    curves (see the top)."""
     moved = copy.deepcopy(config)
     for section, values in learning_seeds(seed).items():
         moved[section] |= values
     moved["resume_triples"] = False
+    moved["curves"] = False
     return moved
 
 

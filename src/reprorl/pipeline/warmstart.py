@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from reprorl.core import layout
+from reprorl.core import layout, numerics
 from reprorl.core.codehash import code_hash
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import hash_paths, peak_rss_mb
@@ -145,7 +145,7 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
     if sum(p.numel() for p in parameters) != expected:
         raise ReproError(f"{branch}: trainable parameters are not exactly adapters (+ head)")
     optimizer = torch.optim.AdamW(parameters, lr=settings["learning_rate"],
-                                  weight_decay=settings["weight_decay"])
+                                  weight_decay=settings["weight_decay"], **numerics.ADAMW)
     sampler = torch.Generator().manual_seed(settings["sampler_seed"])
     total = math.ceil(len(items) / EXAMPLES_PER_UPDATE) * EPOCHS[branch]
     schedule = lambda step: linear_warmup_decay(  # noqa: E731
