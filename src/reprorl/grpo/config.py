@@ -148,19 +148,15 @@ class AsyncGRPOConfig(TRLFields):
     groups_per_step: int | None = option(
         None, "A fixed schedule's step: this many consecutive prompt positions (None: "
         "per_device_train_batch_size x gradient_accumulation_steps, a group per row).")
-    vllm_max_retries: int = option(
-        3, "Retries of a failed sampling request before the worker gives up.")
+    vllm_max_retries: int = option(3, "Retries of a failed sampling request, then it fails.")
     vllm_server_api_key: str | None = option(
         None, "Bearer key of the server's --api-key (None: $VLLM_API_KEY; embedded: a fresh one).")
-    vllm_request_timeout: float = option(
-        600.0, "Seconds one request to the server may take (sampling, adapter load, metrics).")
-    reward_timeout: float = option(
-        600.0, "Seconds one reward function may take to score one group before the run fails.")
+    vllm_request_timeout: float = option(600.0, "Seconds one request to the server may take.")
+    reward_timeout: float = option(600.0, "Seconds a reward function may take on one group.")
     tool_timeout: float = option(
         60.0, "Seconds a tool call may run before it fails; an environment's reset or "
         "get_reward that runs longer fails the run.")
-    stall_timeout: float = option(
-        1800.0, "Seconds without a trained sample before the run stops with an error naming why.")
+    stall_timeout: float = option(1800.0, "Seconds without a trained sample, then the run stops.")
     weight_sync_check: bool | None = option(
         None, "Prove each sync with a canary request (None: on for an external server only).")
     weight_sync_check_tolerance: float = option(
