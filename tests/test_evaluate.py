@@ -206,3 +206,26 @@ def test_a_run_without_curves_says_so_in_its_results():
         jsonschema.validate({"status": "not run"}, schema)  # no reason given
     page = "\n".join(results_markdown.curves_markdown(skipped, evaluate.SCORE_NAME))
     assert page.endswith("Not run: curves is false: the main run's curves show it.")
+
+
+@pytest.mark.parametrize(("triples", "curves"), [(True, True), (False, False)])
+def test_stage_timings_read_the_manifests_of_the_stages_the_config_runs(in_tmp, triples,
+                                                                         curves):
+    """A seed run beside the main one (no triples, no curves) has no manifest of those
+    stages: the timings read exactly the stages that ran (a missing one is an error)."""
+    from reprorl.core import layout
+    from reprorl.core.stages import CURVES, EXPORTS
+
+    config = {"resume_triples": triples, "curves": curves}
+    # the resume checks' seconds are no cost worth listing (a hash comparison)
+    absent = {f"{branch}_{mode}" for branch in EXPORTS for mode in (
+        ("resume_check",) if triples else ("interrupt", "resume", "resume_check"))}
+    absent |= set() if curves else {f"curve_{branch}" for branch in CURVES}
+    ran = [stage for stage in evaluate.UPSTREAM_STAGES if stage not in absent]
+    for stage in ran:
+        write_json(layout.manifest(stage), {"run": {"wall_seconds": 1.0, "cpu_seconds": 2.0,
+                                                    "peak_rss_mb": 3.0}})
+    assert sorted(evaluate.stage_timings(config)) == sorted(ran)
+    Path(layout.manifest(ran[-1])).unlink()
+    with pytest.raises(FileNotFoundError):
+        evaluate.stage_timings(config)

@@ -201,6 +201,8 @@ def stage_timings(config: dict) -> dict:
     results file, byte for byte."""
     skipped = {f"{branch}_{mode}" for branch in EXPORTS
                for mode in (*MODES, "resume_check") if mode not in modes(config)}
+    if not config["curves"]:
+        skipped |= {f"curve_{branch}" for branch in CURVES}
     return {stage: run_costs(read_json(layout.manifest(stage))["run"])
             for stage in UPSTREAM_STAGES if stage not in skipped}
 
