@@ -86,10 +86,12 @@ def _seeds() -> dict:
 def _run(in_tmp, results: dict, text: str = README) -> int:
     write_json("outputs/results.json", results)
     write_json("outputs/seeds/summary.json", _seeds())
-    # the seeds stage, after the other seeds: in the whole span, not in the main run's
+    # the seeds stage, after the other seeds: in the whole span, not in the main run's; the
+    # report, run after them, in neither
     for stage, started, seconds in (("prepare", "2026-12-01T14:42:31+0000", 3.5),
-                                    ("report", "2026-12-01T15:00:40+0000", 2.75),
-                                    ("seeds", "2026-12-01T15:20:29+0000", 1.5)):
+                                    ("evaluate", "2026-12-01T15:00:40+0000", 2.75),
+                                    ("seeds", "2026-12-01T15:20:29+0000", 1.5),
+                                    ("report", "2026-12-01T15:30:00+0000", 1.0)):
         write_json(f"outputs/manifests/{stage}.json", {
             "hashed": {"cpu": {"model_name": "Some CPU", "torch_capability": "AVX2"}},
             "run": {"started_at": started, "wall_seconds": seconds, "cpus": 2}})
@@ -115,10 +117,10 @@ def test_it_rewrites_only_the_block_between_the_markers(in_tmp):
     flat = " ".join(rows.split())
     assert ("polite wrong advice outranks plain correct advice in 14, 12 of the 20 probe "
             "contexts (one figure per seed") in flat
-    assert ("commit abc1234; the main run: 2 stages in 18 min 12 s from the first one's start "
-            "to the last one's end, finished 2026-12-01; each other seed's run 6 min 40 s; all 2 "
-            "seeds 38 min 0 s from the main run's first stage to the summary; 2 cores; Some CPU, "
-            "torch AVX2, native numerics") in flat
+    assert ("commit abc1234; the main run up to its results: 2 stages in 18 min 12 s from the "
+            "first one's start to the last one's end, finished 2026-12-01; each other seed's "
+            "run 6 min 40 s; all 2 seeds 38 min 0 s from the main run's first stage to the "
+            "summary; 2 cores; Some CPU, torch AVX2, native numerics") in flat
     assert "trained under 2 learning seeds (the main run's, 49, and 50)" in flat
     assert "`python -m reprorl bitcheck`" in flat
     assert "- The first claim holds (2 of 2 seeds)." in rows

@@ -159,7 +159,7 @@ def block(results: dict, facts: dict, commit: str, seeds: dict, total: float | N
     (`total`: seconds from the main run's first stage to the seeds' summary, where known)."""
     where = [f"commit {commit}"]
     if facts:
-        where.append(f"the main run: {facts['stages']} stages in "
+        where.append(f"the main run up to its results: {facts['stages']} stages in "
                      f"{_duration(facts['seconds'])} from the first one's start to the last "
                      f"one's end, finished {facts['date']}")
     others = [v for s, v in seeds["seconds_per_seed"].items()
@@ -241,11 +241,13 @@ def main(results_path: str, readme_path: str, manifests: str, commit: str | None
     readme = Path(readme_path)
     if not readme.is_file():
         raise ReproError(f"{readme} is missing: name the README with --readme")
-    # the main run's span: the seeds stage, which waits for the other seeds, left out
+    # the main run's span up to its results: the seeds stage, which waits for the other
+    # seeds, and the report, which may run after them, left out; the whole span ends with the
+    # seeds' summary
     text = rewrite(readme.read_text(), block(
-        results, run_facts(Path(manifests), skip=("seeds",)),
+        results, run_facts(Path(manifests), skip=("seeds", "report", "audit")),
         commit or commit_of(Path(results_path), readme), seeds,
-        total=run_facts(Path(manifests)).get("seconds")))
+        total=run_facts(Path(manifests), skip=("report", "audit")).get("seconds")))
     if digests:  # first: a block is never published without the digests it came from
         from .bitcheck import write
 
