@@ -116,6 +116,9 @@ def test_the_check_names_the_first_stage_in_dag_order_and_why():
     assert native["explanation"].startswith("explained: native numerics on another CPU type")
     libraries = bitcheck.compare(_digests(), _digests(2.0, torch_version="2.9.1"))
     assert libraries["explanation"].startswith("explained: other library versions (torch)")
+    older = {**_digests(2.0), "commit": "0be08ed"}  # e.g. before a change of the numerics
+    assert bitcheck.compare(_digests(), older)["explanation"].startswith(
+        "perhaps explained: other code (commit abc here, 0be08ed there)")
 
 
 def test_the_check_refuses_what_is_not_a_digest_file(tmp_path):

@@ -193,6 +193,11 @@ def explanation(ours: dict, theirs: dict, stage: str | None) -> str:
                      if a.get("kernels", {}).get(k) != b.get("kernels", {}).get(k))
     if kernels:
         return f"explained: other kernel settings ({', '.join(kernels)})"
+    here, there = ours.get("commit"), theirs.get("commit")
+    if here and there and here != there:  # the code hashes are left out of the comparison
+        return (f"perhaps explained: other code (commit {here} here, {there} there), which the "
+                "check does not compare; a change between them may have moved the numbers on "
+                "purpose: compare runs of one commit")
     return ("not explained by the kernel settings or the libraries (the same on both sides): "
             "a kernel that is not portable yet; please report it with both digest files")
 
