@@ -90,6 +90,18 @@ def tiny_model(tmp_path_factory) -> Path:
     return Path(config["model"]["path"])
 
 
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """The tiny model in transformers and its tokenizer: what a served answer is checked
+    against (a direct forward)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
+                                                 dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+
+
 def tiny_config(model_path: Path) -> dict:
     from reprorl.core import config as configuration
 

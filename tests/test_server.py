@@ -54,15 +54,6 @@ def server(tiny_model, tmp_path_factory):
         yield url
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True,
-                                                 dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
-
-
 def complete(url, **body):
     response = requests.post(f"{url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
@@ -207,8 +198,8 @@ def test_request_errors(server, tiny_model):
     assert response.status_code == 404
     assert response.json()["error"]["message"] == "The model `nope` does not exist."
     assert response.json()["error"]["type"] == "NotFoundError"
-    for bad in ({"logprobs": 21}, {"n": 2}, {"stream": True}, {"prompt": []},
-                {"temperature": -1}):
+    for bad in ({"logprobs": 21}, {"n": 0}, {"stream": True}, {"prompt": []},
+                {"temperature": -1}, {"ignore_eos": "perhaps"}, {"suffix": "end"}):
         body = {"prompt": [5, 6], **bad}
         assert requests.post(url, json=body, timeout=10).status_code == 400, bad
 
@@ -537,10 +528,12 @@ def hostile_requests(url, prompt, adapters, outside, rng):
         for bad in ("NaN", "Infinity", "-Infinity", "1e999", '"3"', "true", "[1]", "{}"):
             cases.append(raw(json.dumps(base)[:-1] + f', "{key}": {bad}}}'))
     for bad in ({"model": {"a": 1}}, {"model": [1]}, {"model": 7}, {"prompt": {"a": 1}},
-                {"prompt": [[1, 2], [3]]}, {"prompt": [True, False]}, {"prompt": [-1]},
+                {"prompt": [[1, 2], []]}, {"prompt": [True, False]}, {"prompt": [-1]},
                 {"prompt": [10 ** 9]}, {"prompt": []}, {"prompt": ""}, {"max_tokens": 0},
-                {"max_tokens": -5}, {"max_tokens": 10 ** 30}, {"logprobs": 1000}, {"n": 2},
-                {"stream": True}, {"echo": True}, {"temperature": -1}, {"top_p": 0},
+                {"max_tokens": -5}, {"max_tokens": 10 ** 30}, {"logprobs": 1000}, {"n": 0},
+                {"stream": True}, {"echo": True, "logprobs": 1}, {"temperature": -1},
+                {"top_p": 0}, {"logit_bias": {"-1": 5}}, {"allowed_token_ids": []},
+                {"bad_words": [7]}, {"min_tokens": 99}, {"stop": [1]},
                 {"top_k": -7}, {"min_p": 2}, {"repetition_penalty": 0}, {"stop_token_ids": "x"},
                 {"stop_token_ids": [True]}, {"model": "nope"}, {"prompt": "word " * 20000}):
         cases.append(raw(json.dumps({**base, **bad})))

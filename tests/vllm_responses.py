@@ -78,10 +78,34 @@ def record(base_url: str, model: str, adapter: str, big_adapter: str,
         "load_rank_too_large": post("/v1/load_lora_adapter", {
             "lora_name": "probe-big", "lora_path": big_adapter}),
         "metrics": metric_labels(session.get(f"{base_url}/metrics", timeout=30).text),
+        **record_api(session, base_url, model),
     }
     if dev:
         answers.update(record_dev(session, base_url, model))
     return answers
+
+
+def record_api(session: requests.Session, base_url: str, model: str) -> dict:
+    """What a user of an OpenAI-compatible server reaches for beyond the client's requests:
+    several prompts with n samples and a stop string, a chat with log-probs, the tokenizer
+    routes, the version, and a field the server refuses."""
+    messages = [{"role": "user", "content": "Hello there"}]
+    return {key: _answer(session.post(f"{base_url}{path}", json=body, timeout=120)
+                         if body is not None else session.get(f"{base_url}{path}", timeout=30))
+            for key, path, body in (
+                ("completion_n_prompts", "/v1/completions", {
+                    "model": model, "prompt": [[5, 6, 7], [8, 9]], "n": 2, "max_tokens": 3,
+                    "seed": 3, "stop": ["zz"], "return_token_ids": True}),
+                ("chat", "/v1/chat/completions", {
+                    "model": model, "messages": messages, "max_completion_tokens": 4,
+                    "logprobs": True, "top_logprobs": 2, "seed": 3, "return_token_ids": True}),
+                ("tokenize", "/tokenize", {"model": model, "prompt": "Hello there",
+                                           "return_token_strs": True}),
+                ("tokenize_chat", "/tokenize", {"model": model, "messages": messages}),
+                ("detokenize", "/detokenize", {"model": model, "tokens": [5, 6, 7]}),
+                ("version", "/version", None),
+                ("refused_field", "/v1/completions", {"model": model, "prompt": [5],
+                                                      "max_tokens": 1, "suffix": "end"}))}
 
 
 def record_dev(session: requests.Session, base_url: str, model: str) -> dict:

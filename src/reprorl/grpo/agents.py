@@ -22,13 +22,13 @@ import contextvars
 import functools
 import inspect
 import json
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from reprorl.model.tool_calls import parse_tool_calls  # noqa: F401 (the worker's parser)
+
 RESERVED = ("reset", "get_reward")  # an environment's lifecycle, never a tool
-CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -121,30 +121,6 @@ def probe_environments(factories: dict, tools: list = ()) -> dict[str | None, bo
                                  "reach both; rename one of them")
         owns_reward[key] = callable(getattr(instance, "get_reward", None))
     return owns_reward
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """A turn's text -> (content, calls). Content is the text outside the call blocks."""
-    blocks = CALL_BLOCK.findall(text)
-    if not blocks:
-        return text, []
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block.strip())
-        except json.JSONDecodeError:
-            return text, []
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return text, []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)
-                and isinstance(arguments, dict)):
-            return text, []
-        calls.append({"name": call["name"], "arguments": arguments})
-    return CALL_BLOCK.sub("", text).strip(), calls
 
 
 def assistant_message(content: str, calls: list[dict]) -> dict:

@@ -48,6 +48,53 @@ def number(body: dict, key: str, default, kind=float):
         raise ApiError(400, f"'{key}' is out of range.") from error
 
 
+# pydantic's lax booleans, which vLLM's request models take: "false" is false, "yes" true
+TRUE, FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "f", "false", "n", "no", "off"}
+
+
+def boolean(body: dict, key: str, default: bool) -> bool:
+    """body[key] read as vLLM reads a boolean field (pydantic's lax mode); a missing or null
+    one is the default, anything else not a boolean a 400 naming the field."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, float) and value in (0.0, 1.0):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in TRUE | FALSE:
+        return value.lower() in TRUE
+    raise ApiError(400, f"'{key}' must be a boolean, got {value!r}.", param=key)
+
+
+def token_ids(body: dict, key: str, vocab: int) -> list[int] | None:
+    """body[key] as a list of token ids of the vocabulary (None where missing or null)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"'{key}' must be a list of token ids.", param=key)
+    if any(not 0 <= t < vocab for t in value):
+        raise ApiError(400, f"'{key}' holds token ids out of the vocabulary (size {vocab}).",
+                       param=key)
+    return value
+
+
+def strings(body: dict, key: str) -> list[str]:
+    """body[key] as a list of strings: one string, a list of them, or none (missing, null)."""
+    value = body.get(key)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ApiError(400, f"'{key}' must be a string or a list of strings.", param=key)
+    return value
+
+
 def refuse_constant(name: str):
     raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
@@ -73,24 +120,42 @@ class Reply:
     as_ids: bool  # return_tokens_as_token_ids
     with_ids: bool  # return_token_ids
     skip_special: bool  # skip_special_tokens
+    request_id: str  # the response's id is cmpl-<request_id>
+    samples: int  # n: samples of each prompt
+    echo: bool  # the prompt's text before each choice's
 
     @classmethod
     def of(cls, body: dict, model: str) -> Reply:
-        return cls(model, bool(body.get("return_tokens_as_token_ids")),
-                   bool(body.get("return_token_ids")),
-                   body.get("skip_special_tokens", True) is not False)
+        request_id = text(body, "request_id") or uuid.uuid4().hex
+        samples = number(body, "n", 1, int)
+        if samples < 1:
+            raise ApiError(400, f"n must be at least 1, got {samples}.", param="n")
+        echo = boolean(body, "echo", False)
+        if echo and body.get("logprobs") is not None:
+            raise ApiError(400, "'echo' with 'logprobs' is not supported by this server: it "
+                           "needs the prompt's log-probs (prompt_logprobs); ask one or the "
+                           "other.", param="echo")
+        return cls(model, boolean(body, "return_tokens_as_token_ids", False),
+                   boolean(body, "return_token_ids", False),
+                   boolean(body, "skip_special_tokens", True), request_id, samples, echo)
+
+
+def prompts(value) -> list:
+    """vLLM's `prompt`: a string, a list of token ids, or a list of either (one choice set
+    each); the items are checked as prompts by the server."""
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        return value
+    return [value]
 
 
 def sampling_params(body: dict, prompt_len: int, max_len: int, max_logprobs: int,
-                    eos_id: int | None, extra_eos: set[int]) -> Params:
+                    eos_id: int | None, extra_eos: set[int], vocab: int,
+                    encode=None) -> Params:
     """The request's sampling settings, checked as vLLM checks them: `max_len` the served
     context, `max_logprobs` the server's --max-logprobs; `eos_id` and `extra_eos` (the
-    generation config's other end tokens) end a sequence unless it asks `ignore_eos`."""
-    for key in ("stream", "echo"):
-        if body.get(key):
-            raise ApiError(400, f"'{key}' is not supported by this server.")
-    if number(body, "n", 1, int) != 1:
-        raise ApiError(400, "Only n=1 is supported by this server.")
+    generation config's other end tokens) end a sequence unless it asks `ignore_eos`;
+    `encode(text)` tokenizes bad words (a request with some needs it). The fields no setting
+    here reads are refused or honoured elsewhere (`fields.py`)."""
     unbounded = "max_tokens" in body and body["max_tokens"] is None  # vLLM: fill the context
     maximum = number(body, "max_tokens", max_len - prompt_len if unbounded else 16, int)
     if maximum < 1:
@@ -107,8 +172,10 @@ def sampling_params(body: dict, prompt_len: int, max_len: int, max_logprobs: int
         raise ApiError(400, "temperature must be >= 0, top_p in (0, 1], top_k >= -1 and "
                        "min_p in [0, 1].")
     for key in ("presence_penalty", "frequency_penalty"):
-        if number(body, key, 0.0) != 0:
-            raise ApiError(400, f"'{key}' is not supported by this server.")
+        value = number(body, key, 0.0)
+        if not -2 <= value <= 2:
+            raise ApiError(400, f"{key} must be in [-2, 2], got {value}.", param=key)
+        setattr(p, key, value)
     if p.repetition_penalty <= 0:
         raise ApiError(400, "repetition_penalty must be greater than zero, got "
                        f"{p.repetition_penalty}.")
@@ -117,25 +184,102 @@ def sampling_params(body: dict, prompt_len: int, max_len: int, max_logprobs: int
         if not 0 <= p.logprobs <= max_logprobs:
             raise ApiError(400, f"Requested sample logprobs of {p.logprobs}, which is "
                            f"greater than max allowed: {max_logprobs}")
-    stops = body.get("stop_token_ids") or []
-    if not isinstance(stops, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in stops):
-        raise ApiError(400, "'stop_token_ids' must be a list of token ids.")
-    ignore = bool(body.get("ignore_eos", False))
+    stops = token_ids(body, "stop_token_ids", vocab) or []
+    ignore = boolean(body, "ignore_eos", False)
     p.eos_id = None if ignore else eos_id
     p.stop_ids = frozenset(stops) | (frozenset() if ignore else frozenset(extra_eos))
+    p.stop = tuple(stop for stop in strings(body, "stop") if stop)
+    p.include_stop = boolean(body, "include_stop_str_in_output", False)
+    p.min_tokens = number(body, "min_tokens", 0, int)
+    if not 0 <= p.min_tokens <= maximum:
+        raise ApiError(400, f"min_tokens must be in [0, max_tokens={maximum}], got "
+                       f"{p.min_tokens}.", param="min_tokens")
+    allowed = token_ids(body, "allowed_token_ids", vocab)
+    if allowed is not None:
+        if not allowed:
+            raise ApiError(400, "allowed_token_ids is not None and empty!",
+                           param="allowed_token_ids")
+        p.allowed = frozenset(allowed)
+    p.logit_bias = logit_bias(body, vocab)
+    words = strings(body, "bad_words")
+    if words:
+        p.bad_words = bad_word_ids(words, encode, vocab)
     return p
 
 
-def completion(seq: Sequence, reply: Reply, tokenizer, piece) -> dict:
-    """vLLM's `/v1/completions` response for a finished `seq`; `piece(token id)` is a
-    token's text (the server caches it)."""
-    as_ids, model = reply.as_ids, reply.model
+def logit_bias(body: dict, vocab: int) -> tuple:
+    """vLLM's logit_bias: token ids (as JSON keys) to a bias, clipped to [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise ApiError(400, "'logit_bias' must be an object of token ids to biases.",
+                       param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        try:
+            tid = int(key)
+        except ValueError as error:
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id.",
+                           param="logit_bias") from error
+        if not 0 <= tid < vocab:
+            raise ApiError(400, f"token_id(s) [{tid}] in logit_bias contain out-of-vocab token "
+                           f"ids. Vocabulary size: {vocab}", param="logit_bias")
+        amount = number({"logit_bias": bias}, "logit_bias", 0.0)
+        pairs.append((tid, min(100.0, max(-100.0, amount))))
+    return tuple(sorted(pairs))
+
+
+def bad_word_ids(words: list[str], encode, vocab: int) -> tuple:
+    """vLLM's bad words as token sequences (`SamplingParams.update_from_tokenizer`): each word
+    as written (its leading spaces dropped), and with one leading space where that makes a
+    sequence of the same length starting with another token (the word inside a text)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for spaced in (False, True):
+            ids = encode((" " if spaced else "") + word.lstrip())
+            if not ids:
+                raise ApiError(400, f"bad_words: {word!r} has no tokens.", param="bad_words")
+            if not spaced or (ids[0] != sequences[-1][0] and len(ids) == len(sequences[-1])):
+                sequences.append(ids)
+    if any(not 0 <= t < vocab for ids in sequences for t in ids):
+        raise ApiError(400, "bad_words hold token ids out of the vocabulary.", param="bad_words")
+    return tuple(tuple(ids) for ids in sequences)
+
+
+def completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
+               texts: list[str | None]) -> dict:
+    """vLLM's `/v1/completions` response for finished `seqs`, each prompt's `reply.samples`
+    in turn (choice index: prompt x n + sample); `piece(token id)` is a token's text (the
+    server caches it), `texts` each prompt's text as sent (None: sent as token ids)."""
+    choices = [choice(seq, index, reply, tokenizer, piece, texts[index // reply.samples])
+               for index, seq in enumerate(seqs)]
+    prompt_tokens = sum(len(seq.prompt) for seq in seqs[::reply.samples])
+    completion_tokens = sum(len(seq.generated) for seq in seqs)
+    return {"id": f"cmpl-{reply.request_id}", "object": "text_completion",
+            "created": int(time.time()), "model": reply.model, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens,
+                      "prompt_tokens_details": None, "completion_tokens_details": None},
+            # vLLM's other top-level keys, empty here as they are in vLLM without those
+            # features (tests/recorded/vllm-responses.json)
+            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+def choice(seq: Sequence, index: int, reply: Reply, tokenizer, piece,
+           prompt_text: str | None) -> dict:
+    """One choice of a completion: its text (after the prompt's with `echo`), log-probs and
+    ending."""
+    as_ids = reply.as_ids
 
     def shown_as(tid: int) -> str:
         return f"token_id:{tid}" if as_ids else piece(tid)
 
-    shown = seq.generated[:-1] if seq.finish_reason == "stop" else seq.generated
+    # an end token's own text is left out unless include_stop_str_in_output; a stop string
+    # cut the text where `Sequence.find_stop_string` found it
+    by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+    shown = seq.generated[:-1] if by_token and not seq.params.include_stop else seq.generated
     logprobs = None
     if seq.params.logprobs is not None:
         logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -150,27 +294,23 @@ def completion(seq: Sequence, reply: Reply, tokenizer, piece) -> dict:
             logprobs["token_logprobs"].append(json_logprob(value))
             logprobs["top_logprobs"].append(top)
     with_ids = reply.with_ids
-    choice = {
-        "index": 0,
-        "text": tokenizer.decode(shown, skip_special_tokens=reply.skip_special),
+    text = (seq.text[:seq.text_end] if isinstance(seq.stop_reason, str) else
+            tokenizer.decode(shown, skip_special_tokens=reply.skip_special))
+    if reply.echo and not with_ids:  # vLLM: with return_token_ids the ids carry the prompt
+        text = (prompt_text if prompt_text is not None else tokenizer.decode(
+            seq.prompt, skip_special_tokens=reply.skip_special)) + text
+    return {
+        "index": index,
+        "text": text,
         "logprobs": logprobs,
         "finish_reason": seq.finish_reason,
         "stop_reason": seq.stop_reason,
-        "token_ids": list(seq.generated) if with_ids else None,
+        "token_ids": ([*seq.prompt, *seq.generated] if reply.echo else list(seq.generated))
+        if with_ids else None,
         "prompt_logprobs": None,
         "prompt_token_ids": list(seq.prompt) if with_ids else None,
         "routed_experts": None,  # vLLM's, for mixture-of-experts models
     }
-    prompt_tokens, completion_tokens = len(seq.prompt), len(seq.generated)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens,
-                      "prompt_tokens_details": None, "completion_tokens_details": None},
-            # vLLM's other top-level keys, empty here as they are in vLLM without those
-            # features (tests/recorded/vllm-responses.json)
-            "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 def generation(seq: Sequence, request_id: str) -> dict:

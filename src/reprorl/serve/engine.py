@@ -391,8 +391,9 @@ class Engine:
         """The next token of each of `seqs` from its row of `logits` [len(seqs), vocab]. The
         rows that share their sampling settings go through `processed_logprobs` and `race`
         together (row by row operations: each row's bits are those it gets alone; one call
-        instead of one per row), each row drawing with its own generator; a row with a
-        repetition penalty, which reads its own tokens, goes alone. An error fails the
+        instead of one per row), each row drawing with its own generator; a row whose
+        distribution reads its own tokens or settings (`Params.own_row`: a repetition penalty,
+        logit bias, bad words, ...) goes alone. An error fails the
         sequences of the rows drawn with it, nobody else; a row whose log-probs hold NaN
         (broken weights; filtered tokens are -inf) fails its own sequence."""
         # off the CPU, a softmax row's sum may follow its memory alignment: a block's rows
@@ -402,15 +403,16 @@ class Engine:
         for i, seq in enumerate(seqs):
             p = seq.params
             key = (p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs, p.sampling_mask,
-                   i if alone or p.repetition_penalty != 1 else -1)  # -1: rows may share
+                   i if alone or p.own_row else -1)  # -1: rows may share
             together.setdefault(key, []).append(i)
         for rows in together.values():
             members = [seqs[i] for i in rows]
             p = members[0].params
-            # the tokens a repetition penalty reads (a row with one is drawn alone)
-            seen = members[0].tokens if p.repetition_penalty != 1 else None
+            # the tokens a row drawn alone reads
+            seen, output = (members[0].tokens, members[0].generated) if p.own_row else (
+                None, None)
             try:
-                draws = draw(logits[rows], p, [seq.generator for seq in members], seen)
+                draws = draw(logits[rows], p, [seq.generator for seq in members], seen, output)
             except Exception as error:
                 for seq in members:
                     self.fail(seq, error)

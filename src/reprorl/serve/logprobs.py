@@ -1,12 +1,14 @@
 """The distribution a token is drawn from, as vLLM processes it, and the draw.
 
 `Params` holds a request's sampling settings (the part of vLLM's `SamplingParams` the engine
-honours). `processed_logprobs` gives vLLM's processed log-probs: the repetition penalty, then
-temperature, min-p, top-k and top-p, a filtered token at -inf (greedy: the penalised
-log-softmax). `penalise_repeats`, the penalty alone, is also what the GRPO loss applies, which
-must score each token under the distribution it was drawn from. `race` draws one token per row,
-each row from its own generator: the exponential race vLLM runs. `draw` puts them together for
-rows that share their settings, with what a response reports of each draw.
+honours). `processed_logprobs` gives vLLM's processed log-probs in its sampler's order: allowed
+token ids, bad words, min tokens, logit bias, the repetition, frequency and presence penalties,
+then temperature, min-p, top-k and top-p, a filtered token at -inf (greedy: the log-softmax of
+the adjusted logits). `penalise_repeats`, the repetition penalty alone, is also what the GRPO
+loss applies, which must score each token under the distribution it was drawn from. `race`
+draws one token per row, each row from its own generator: the exponential race vLLM runs.
+`draw` puts them together for rows that share their settings, with what a response reports of
+each draw.
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ class Params:
     eos_id: int | None = None
     stop_ids: frozenset = frozenset()
     sampling_mask: bool = False  # keep each sampled token's candidate set (vLLM's flag)
+    allowed: frozenset | None = None  # allowed_token_ids: every other token at -inf
+    bad_words: tuple = ()  # token-id sequences: a last token is barred after the rest of it
+    min_tokens: int = 0  # the end tokens (eos_id, stop_ids) barred until this many are out
+    logit_bias: tuple = ()  # (token id, bias) pairs added to the logits
+    frequency_penalty: float = 0.0  # times each count in the output, off the logits
+    presence_penalty: float = 0.0  # off the logits of every token the output holds
+    stop: tuple = ()  # stop strings (`Sequence.take` checks them on the output's text)
+    include_stop: bool = False  # include_stop_str_in_output
+
+    @property
+    def own_row(self) -> bool:
+        """Whether the distribution reads the row's own tokens or settings beyond the shared
+        ones, so the row is drawn alone (`Engine.sample`)."""
+        return (self.repetition_penalty != 1 or self.allowed is not None or bool(
+            self.bad_words) or self.min_tokens > 0 or bool(self.logit_bias)
+            or self.frequency_penalty != 0 or self.presence_penalty != 0)
 
 
 def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -43,18 +61,55 @@ def penalise_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -
     return logits * torch.where(logits > 0, 1.0 / penalties, penalties)
 
 
-def processed_logprobs(logits: torch.Tensor, p: Params,
-                       seen: list[int] | None = None) -> torch.Tensor:
+def restricted(logits: torch.Tensor, p: Params, output: list[int]) -> torch.Tensor:
+    """vLLM's steps before the penalties, for one row whose `output` is so far: only the
+    allowed tokens, no bad word's last token after the rest of it, no end token before
+    min_tokens, then the logit bias. Without any of them, `logits` itself."""
+    vocab = logits.shape[-1]
+    barred = set()
+    if p.allowed is not None:
+        barred |= set(range(vocab)) - p.allowed
+    for word in p.bad_words:
+        if len(word) == 1 or list(word[:-1]) == output[len(output) - len(word) + 1:]:
+            barred.add(word[-1])
+    if len(output) < p.min_tokens:
+        barred |= set(p.stop_ids) | ({p.eos_id} if p.eos_id is not None else set())
+    if barred:
+        logits = logits.index_fill(-1, torch.tensor(sorted(t for t in barred if t < vocab),
+                                                    device=logits.device), -math.inf)
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias)
+        logits = logits.index_add(-1, torch.tensor(ids, device=logits.device), torch.tensor(
+            bias, dtype=logits.dtype, device=logits.device).expand(*logits.shape[:-1], -1))
+    return logits
+
+
+def penalise_output(logits: torch.Tensor, p: Params, output: list[int]) -> torch.Tensor:
+    """vLLM's frequency and presence penalties: each token's count in the output times the
+    first, and the second once for every token the output holds, off its logit."""
+    counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    if output:
+        counts.index_add_(0, torch.tensor(output, device=logits.device),
+                          torch.ones(len(output), dtype=logits.dtype, device=logits.device))
+    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def processed_logprobs(logits: torch.Tensor, p: Params, seen: list[int] | None = None,
+                       output: list[int] | None = None) -> torch.Tensor:
     """Log-probs of the distribution actually sampled from (filtered tokens get -inf), over the
     last dimension of `logits` ([vocab], or [rows, vocab] that share `p`: every operation works
     row by row, so on the CPU a row's bits are those it gets alone, `Engine.sample`); `seen`:
     the tokens so far (prompt and output) of a single row, which the repetition penalty
-    applies to."""
+    applies to, and `output` its generated ones (`Params.own_row`: a row drawn alone)."""
     logits = logits.float()
+    if p.own_row:
+        logits = restricted(logits, p, output or [])
     if p.repetition_penalty != 1 and seen:
         mask = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         mask[torch.tensor(seen, device=logits.device)] = True
         logits = penalise_repeats(logits, mask, p.repetition_penalty)
+    if p.frequency_penalty != 0 or p.presence_penalty != 0:
+        logits = penalise_output(logits, p, output or [])
     if p.temperature < GREEDY_EPS:
         return logits.log_softmax(-1)
     logits = logits / p.temperature
@@ -88,11 +143,12 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
 
 
 def draw(logits: torch.Tensor, p: Params, generators: list[torch.Generator],
-         seen: list[int] | None) -> list[tuple | None]:
-    """One token for each row of `logits`, all rows under the settings `p` (and, with a
-    repetition penalty, the one row's `seen` tokens; None without one): for each row (token,
-    its log-prob, top log-probs, rank, candidate ids), or None where its log-probs hold NaN."""
-    scores = processed_logprobs(logits, p, seen)
+         seen: list[int] | None, output: list[int] | None = None) -> list[tuple | None]:
+    """One token for each row of `logits`, all rows under the settings `p` (and, where the
+    row is drawn alone, `Params.own_row`, its `seen` tokens and its `output`; None otherwise):
+    for each row (token, its log-prob, top log-probs, rank, candidate ids), or None where its
+    log-probs hold NaN."""
+    scores = processed_logprobs(logits, p, seen, output)
     broken = torch.isnan(scores).any(-1).tolist()
     if p.temperature < GREEDY_EPS:
         tokens = scores.argmax(-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +45,11 @@ class Sequence:
     ranks: list = field(default_factory=list)  # per token, its rank among the log-probs
     slot: int | None = None  # its row of the KV slots while it runs
     finish_reason: str | None = None
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string it ended on
+    # with stop strings: the output's text (the server's decode), and where a stop cut it
+    text_of: Callable[[list[int]], str] | None = None
+    text: str = ""
+    text_end: int | None = None
     aborted: bool = False
     error: ApiError | None = None  # this request failed; the others go on
 
@@ -72,6 +77,26 @@ class Sequence:
             self.finish_reason, self.stop_reason = "stop", token
         elif len(self.generated) >= p.max_tokens:
             self.finish_reason = "length"
+        if p.stop and len(self.generated) > p.min_tokens:
+            self.find_stop_string()
+
+    def find_stop_string(self) -> None:
+        """vLLM's stop strings: the first one the output's text holds, searched from where the
+        newest token's characters could complete one, ends the sequence, its text cut before
+        the string (after it with include_stop_str_in_output); an end token's own text is not
+        searched unless included."""
+        p, ended = self.params, self.finish_reason == "stop"
+        shown = self.generated[:-1] if ended and not p.include_stop else self.generated
+        before, self.text = len(self.text), self.text_of(shown)
+        added = len(self.text) - before
+        if added <= 0:
+            return
+        for stop in p.stop:
+            at = self.text.find(stop, max(0, len(self.text) - added - len(stop) + 1))
+            if at != -1:
+                self.finish_reason, self.stop_reason = "stop", stop
+                self.text_end = at + len(stop) if p.include_stop else at
+                return
 
     def resolve(self, error: Exception | None = None) -> None:
         if self.loop is None:  # `Engine.generate` reads the outcome from the sequence itself

@@ -10,10 +10,11 @@ and, as vLLM's development mode does, `/collective_rpc` (`reload_weights`) and
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import copy
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -38,20 +39,33 @@ from reprorl.core.manifest import atomic_write_text
 from .adapters import Adapter
 from .api import (
     Reply,
+    boolean,
     completion,
     error_body,
     generation,
     metrics,
     number,
+    prompts,
     refuse_constant,
     sampling_params,
     text,
 )
+from .chat import chat_completion, chat_settings, render
 from .engine_thread import EngineThread
-from .invariance import SPAN_ROWS
+from .fields import (
+    CHAT,
+    COMPLETION,
+    DETOKENIZE,
+    SAMPLING,
+    TOKENIZE,
+    TOKENIZE_CHAT,
+    refuse_unhonoured,
+)
+from .flags import arguments
 from .logprobs import Params
+from .model_routes import ModelRoutes
 from .sequence import ApiError, Sequence
-from .weights import copy_weights, install_switches, read_adapter, read_weights, weight_targets
+from .weights import install_switches, weight_targets
 
 log = logging.getLogger("reprorl.serve")
 
@@ -64,7 +78,7 @@ def error_response(error: ApiError) -> web.Response:
     return web.json_response(error_body(error), status=error.status)
 
 
-class Server:
+class Server(ModelRoutes):
     def __init__(self, args, model, tokenizer):
         self.args, self.tokenizer = args, tokenizer
         self.name = args.served_model_name or args.model
@@ -88,6 +102,8 @@ class Server:
         # every tokenizer call runs here: off the event loop, one at a time (a fast tokenizer
         # is not safe to call from several threads at once)
         self.text_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        # the engine thread's own, for stop strings (`Sequence.find_stop_string`)
+        self.engine_tokenizer = copy.deepcopy(tokenizer)
         self.lora_root = Path(args.lora_root).resolve() if args.lora_root else None
         keys = [key for key in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if key]
         self.key_digests = [hashlib.sha256(key.encode()).digest() for key in keys]
@@ -134,6 +150,10 @@ class Server:
             web.post("/v1/load_lora_adapter", self.load_lora),
             web.post("/v1/unload_lora_adapter", self.unload_lora),
             web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/version", self.version),
             web.post("/inference/v1/generate", self.generate),
             web.post("/collective_rpc", self.collective_rpc),
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
@@ -161,6 +181,35 @@ class Server:
             self.card(a.name, a.path, self.name) for a in self.adapters.values()]
         return web.json_response({"object": "list", "data": cards})
 
+    async def version(self, request):
+        return web.json_response({"version": importlib.metadata.version("reprorl")})
+
+    async def tokenize(self, request):
+        """vLLM's `/tokenize`: a text prompt's ids, or a chat's (`messages`, rendered)."""
+        body = await self.body(request)
+        chat = "messages" in body
+        refuse_unhonoured(body, TOKENIZE_CHAT if chat else TOKENIZE)
+        self.model_of(body)
+        if chat:
+            ids, _ = await self.in_text_pool(functools.partial(render, body, self.tokenizer))
+        elif isinstance(body.get("prompt"), str):
+            add_special = boolean(body, "add_special_tokens", True)
+            ids = await self.prompt(body["prompt"], add_special) if body["prompt"] else []
+        else:
+            raise ApiError(400, "'prompt' must be a string.", param="prompt")
+        strs = (self.tokenizer.convert_ids_to_tokens(ids)
+                if boolean(body, "return_token_strs", False) else None)
+        return web.json_response({"count": len(ids), "max_model_len": self.max_len,
+                                  "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request):
+        body = await self.body(request)
+        refuse_unhonoured(body, DETOKENIZE)
+        self.model_of(body)
+        ids = await self.prompt(body.get("tokens"))
+        return web.json_response({"prompt": await self.in_text_pool(
+            lambda: self.tokenizer.decode(ids))})
+
     async def metrics(self, request):
         page = metrics(self.engine, self.name, self.args.max_loras)
         return web.Response(body=page.encode(), headers={
@@ -179,79 +228,22 @@ class Server:
             raise ApiError(400, "The request body must be a JSON object.")
         return body
 
-    async def load_lora(self, request):
-        body = await self.body(request)
-        name, path = text(body, "lora_name"), text(body, "lora_path")
-        if not name or not path:
-            raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.")
-        if name in self.adapters or name == self.name:
-            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
-        if len(self.adapters) >= self.args.max_loras:
-            raise ApiError(400, f"{self.args.max_loras} LoRA adapters are already loaded "
-                           "(--max-loras); unload one first.")
-        adapter = await asyncio.to_thread(read_adapter, name, path, self.engine.adapters.switches,
-                                          self.args.max_lora_rank, self.lora_root)
-        if self.engine.unsettled(adapter.rank):  # once a rank, not at every weight sync
-            # the engine's probe, ahead of the adapter's first decode step and in the engine
-            # thread between steps: beside a weight reload it could read half-copied weights
-            await asyncio.wrap_future(self.engine.between_steps(
-                functools.partial(self.engine.settle_rank, adapter.rank)))
-        if name in self.adapters:  # loaded by a concurrent request meanwhile
-            raise ApiError(400, f"The lora adapter '{name}' has already been loaded.")
-        if len(self.adapters) >= self.args.max_loras:  # likewise
-            raise ApiError(400, f"{self.args.max_loras} LoRA adapters are already loaded "
-                           "(--max-loras); unload one first.")
-        self.adapters[name] = adapter
-        log.info("loaded LoRA adapter %s from %s", name, path)
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+    async def params(self, body: dict, prompt_len: int) -> Params:
+        """The request's sampling settings (in the text pool: bad words are tokenized)."""
+        def encode(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    async def unload_lora(self, request):
-        name = text(await self.body(request), "lora_name")
-        if self.adapters.pop(name, None) is None:
-            raise ApiError(404, f"The lora adapter '{name}' cannot be found.")
-        log.info("unloaded LoRA adapter %s", name)
-        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+        return await self.in_text_pool(lambda: sampling_params(
+            body, prompt_len, self.max_len, self.args.max_logprobs, self.eos_id,
+            self.extra_eos, self.vocab, encode))
 
-    async def collective_rpc(self, request):
-        """vLLM's development endpoint, for its `reload_weights` method: the weights of
-        `kwargs.weights_path` (default: --model) replace the served ones between two engine
-        steps, and the prefix cache, computed with the old ones, is dropped."""
-        body = await self.body(request)
-        method, kwargs = body.get("method"), body.get("kwargs") or {}
-        if method != "reload_weights":
-            raise ApiError(400, f"collective_rpc method {method!r} is not supported here "
-                           "(reload_weights only).")
-        if not isinstance(kwargs, dict):
-            raise ApiError(400, "'kwargs' must be an object.")
-        path = text(kwargs, "weights_path") or self.args.model
-        allowed = [] if self.lora_root is None else [self.lora_root,
-                                                     Path(self.args.model).resolve()]
-        try:
-            tensors = await asyncio.to_thread(read_weights, path, self.weights, allowed)
-        except ApiError as error:
-            raise ApiError(error.status, f"reload_weights: {error.message}") from error
-
-        def apply() -> None:
-            copy_weights(self.weights, tensors)
-            self.engine.reset_prefix_cache()
-
-        await asyncio.wrap_future(self.engine.between_steps(apply))
-        log.info("reloaded weights from %s", path)
-        return web.json_response({"results": [None]})
-
-    async def reset_prefix_cache(self, request):
-        await asyncio.wrap_future(self.engine.between_steps(self.engine.reset_prefix_cache))
-        return web.json_response({"success": True})
-
-    def params(self, body: dict, prompt_len: int) -> Params:
-        return sampling_params(body, prompt_len, self.max_len, self.args.max_logprobs,
-                               self.eos_id, self.extra_eos)
-
-    async def prompt(self, prompt) -> list[int]:
+    async def prompt(self, prompt, add_special: bool = True) -> list[int]:
+        """A prompt's token ids: given, or a text's (`add_special`: the tokenizer's special
+        tokens too, vLLM's add_special_tokens)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            encode = functools.partial(self.tokenizer, prompt, add_special_tokens=False)
+            encode = functools.partial(self.tokenizer, prompt, add_special_tokens=add_special)
             prompt = (await self.in_text_pool(encode))["input_ids"]
         if not isinstance(prompt, list) or not prompt or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -279,14 +271,19 @@ class Server:
         self.refuse_if_overloaded()
         return model
 
-    async def run(self, prompt: list[int], params: Params, model: str, seed) -> Sequence:
-        """Generate to the end; a client that goes away aborts its sequence."""
+    async def run(self, prompt: list[int], params: Params, model: str, seed,
+                  skip_special: bool = True) -> Sequence:
+        """Generate to the end; a client that goes away aborts its sequence. Stop strings are
+        searched in the text decoded as the reply decodes it (`skip_special`)."""
         generator = devices.generator(
             self.rng.getrandbits(63) if seed is None else seed % (1 << 64), self.engine.device)
         self.refuse_if_overloaded()  # again: others may have queued while this one tokenised
         loop = asyncio.get_running_loop()
         seq = Sequence(prompt, params, self.adapters.get(model), generator,
                        loop.create_future(), loop)
+        if params.stop:
+            seq.text_of = functools.partial(self.engine_tokenizer.decode,
+                                            skip_special_tokens=skip_special)
         self.engine.submit(seq)
         try:
             await seq.future
@@ -296,16 +293,51 @@ class Server:
         return seq
 
     async def completions(self, request):
+        """vLLM's `/v1/completions`: each prompt of the request sampled `n` times, sample j
+        seeded seed + j as vLLM seeds a request's samples (a prompt is prefilled once: the
+        others hit the prefix cache)."""
         body = await self.body(request)
+        refuse_unhonoured(body, COMPLETION)
         model = self.model_of(body)
-        prompt = await self.prompt(body.get("prompt"))
-        params = self.params(body, len(prompt))
-        seed = number(body, "seed", None, int)
         reply = Reply.of(body, model)
+        sent = prompts(body.get("prompt"))
+        texts = [prompt if isinstance(prompt, str) else None for prompt in sent]
+        add_special = boolean(body, "add_special_tokens", True)
+        ids = [await self.prompt(prompt, add_special) for prompt in sent]
+        params = [await self.params(body, len(prompt)) for prompt in ids]
+        seed = number(body, "seed", None, int)
         del body  # a waiting request keeps only what its reply needs
-        seq = await self.run(prompt, params, model, seed)
+        seqs = await self.samples(ids, params, model, seed, reply)
         return web.json_response(await self.in_text_pool(
-            lambda: completion(seq, reply, self.tokenizer, self.piece)))
+            lambda: completion(seqs, reply, self.tokenizer, self.piece, texts)))
+
+    async def samples(self, ids: list[list[int]], params: list[Params], model: str, seed,
+                      reply: Reply) -> list[Sequence]:
+        """Each prompt's `reply.samples` sequences, in order; sample j seeded seed + j."""
+        runs = [asyncio.ensure_future(self.run(
+            prompt, settings, model, None if seed is None else seed + sample,
+            reply.skip_special)) for prompt, settings in zip(ids, params)
+            for sample in range(reply.samples)]
+        try:
+            return await asyncio.gather(*runs)
+        finally:  # one failed or the client went away: the others stop too
+            for run in runs:
+                run.cancel()
+
+    async def chat(self, request):
+        """vLLM's `/v1/chat/completions` (`chat.py`): the messages rendered, `n` samples."""
+        body = await self.body(request)
+        refuse_unhonoured(body, CHAT)
+        model = self.model_of(body)
+        reply = Reply.of(body, model)
+        rendered, tools = await self.in_text_pool(functools.partial(render, body, self.tokenizer))
+        prompt = await self.prompt(rendered)
+        params = await self.params(chat_settings(body), len(prompt))
+        seed = number(body, "seed", None, int)
+        del body
+        seqs = await self.samples([prompt], [params], model, seed, reply)
+        return web.json_response(await self.in_text_pool(
+            lambda: chat_completion(seqs, reply, self.tokenizer, self.piece, tools)))
 
     async def generate(self, request):
         """vLLM's `/inference/v1/generate` (`--enable-scale-out`): token ids in, token ids,
@@ -320,12 +352,13 @@ class Server:
         settings = body.get("sampling_params") or {}
         if not isinstance(settings, dict):
             raise ApiError(400, "'sampling_params' must be an object.")
+        refuse_unhonoured(settings, SAMPLING)
         if len(prompt) < self.max_len and isinstance(settings.get("max_tokens"), int):
             # as the seed's vLLM: a turn stops at --max-model-len here; only a prompt that
             # fills it already is refused (by `params`)
             settings = {**settings, "max_tokens": min(settings["max_tokens"],
                                                       self.max_len - len(prompt))}
-        params = self.params(settings, len(prompt))
+        params = await self.params(settings, len(prompt))
         if self.args.return_sampling_mask:  # vLLM's per-request rule under the flag
             if params.temperature <= 0 or params.top_k <= 0:
                 raise ApiError(400, "return_sampling_mask needs temperature > 0 and top_k > 0.")
@@ -343,62 +376,6 @@ class Server:
 def served_length(args, model) -> int:
     """`--max-model-len`, or the model's positions."""
     return args.max_model_len or model.config.max_position_embeddings
-
-
-def count(low: int, high: int | None = None):
-    """An argparse type: an integer in [low, high]."""
-    def parse(text: str) -> int:
-        value = int(text)  # not a number: argparse names the flag and the value
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
-
-
-def arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="reprorl serve", description=__doc__.splitlines()[0])
-    add = parser.add_argument
-    add("--model", required=True, help="Hugging Face model directory")
-    add("--served-model-name", default=None, help="model name in the API (default: --model)")
-    add("--host", default="127.0.0.1")
-    add("--port", type=count(0, 65535), default=8000, help="0 picks a free port")
-    add("--port-file", default=None, help="write the bound port here once listening")
-    add("--api-key", nargs="+", default=None,
-        help="require one of these Bearer keys on /v1/* (default: $VLLM_API_KEY, if set)")
-    add("--lora-root", default=None,
-        help="load adapters only from below this directory (default: anywhere)")
-    add("--max-model-len", type=count(1), default=None, help="default: max_position_embeddings")
-    add("--max-num-seqs", type=count(1), default=64, help="running sequences at most")
-    add("--decode-rows", type=count(1), default=SPAN_ROWS,
-        help="rows of a decode group: a forward decodes one group, a fixed shape, or with "
-             f"one thread and {SPAN_ROWS} rows or more every group in use (batch invariance)")
-    add("--max-waiting-requests", type=count(1), default=1024,
-        help="queued requests at most; more are refused with 503")
-    add("--max-request-bytes", type=count(1024), default=2 << 20,
-        help="request body size at most; larger ones are refused with 413")
-    add("--kv-cache-tokens", type=count(1), default=32768, help="KV-cache capacity in tokens")
-    add("--max-loras", type=count(1), default=6)
-    add("--max-lora-rank", type=count(1), default=16)
-    add("--max-logprobs", type=count(0), default=20)
-    add("--enable-scale-out", action="store_true",
-        help="serve vLLM's token-in/token-out /inference/v1/generate")
-    add("--return-sampling-mask", action="store_true",
-        help="return each sampled token's candidate set (top-k/top-p/min-p) from generate")
-    add("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="float32",
-        help="auto: the checkpoint's dtype")
-    add("--threads", type=count(1), default=1, help="torch threads")
-    add("--device", default="cpu",
-        help="auto, cpu, cuda or cuda:N (a BF16-capable GPU, deterministic algorithms on)")
-    add("--trust-remote-code", action="store_true", help="allow the model's own code")
-    add("--seed", type=int, default=0)
-    # read by `reprorl serve` before torch loads (reprorl.core.numerics); a child of a stage
-    # inherits its stage's mode instead
-    add("--numerics", choices=numerics.MODES, default=None,
-        help="portable: AVX2 kernels pinned, the same bits on any x86-64 CPU with AVX2")
-    return parser.parse_args(argv)
 
 
 async def serve(server: Server, args) -> None:
