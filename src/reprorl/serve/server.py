@@ -143,21 +143,18 @@ class Server(ModelRoutes):
                 return error_response(ApiError(500, f"{type(error).__name__}: {error}"))
 
         app = web.Application(middlewares=[errors], client_max_size=self.args.max_request_bytes)
-        app.add_routes([
-            web.get("/health", self.health),
-            web.get("/v1/models", self.models),
-            web.get("/metrics", self.metrics),
-            web.post("/v1/load_lora_adapter", self.load_lora),
-            web.post("/v1/unload_lora_adapter", self.unload_lora),
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat),
-            web.post("/tokenize", self.tokenize),
-            web.post("/detokenize", self.detokenize),
-            web.get("/version", self.version),
-            web.post("/inference/v1/generate", self.generate),
-            web.post("/collective_rpc", self.collective_rpc),
-            web.post("/reset_prefix_cache", self.reset_prefix_cache),
-        ])
+        get = {"/health": self.health, "/v1/models": self.models, "/metrics": self.metrics,
+               "/version": self.version}
+        post = {"/v1/completions": self.completions, "/v1/chat/completions": self.chat,
+                "/tokenize": self.tokenize, "/detokenize": self.detokenize,
+                "/inference/v1/generate": self.generate,
+                # what it serves: adapters and weights (model_routes.py)
+                "/v1/load_lora_adapter": self.load_lora,
+                "/v1/unload_lora_adapter": self.unload_lora,
+                "/collective_rpc": self.collective_rpc,
+                "/reset_prefix_cache": self.reset_prefix_cache}
+        app.add_routes([*(web.get(path, handler) for path, handler in get.items()),
+                        *(web.post(path, handler) for path, handler in post.items())])
         return app
 
     async def health(self, request):
