@@ -25,6 +25,7 @@ from reprorl.core.stages import (
 )
 from reprorl.core.stages import outputs as stage_outputs
 from reprorl.core.stages import ranks as stage_ranks
+from reprorl.core.stages import runs as stage_runs
 from snakemake.exceptions import WorkflowError
 
 # Snakemake parses --configfile itself (YAML .nan included): validate sees every value. A

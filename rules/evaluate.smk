@@ -68,7 +68,11 @@ rule evaluate:
             if config["resume_triples"]
         ],
         sft_validation=rules.sft_validation.output.report,
-        curves=[str(layout.curve(branch)) for branch in CURVES if config["curves"]],
+        curves=[
+            str(layout.curve(branch))
+            for branch in CURVES
+            if stage_runs(f"curve_{branch}", config)
+        ],
         ppo_sampled=rules.ppo_report.output.report,
         exercise=rules.exercise.output.shortcuts,
         # the training record: audit counts, validation per epoch, PPO's re-scoring gap, sizes

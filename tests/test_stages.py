@@ -74,3 +74,13 @@ def test_each_interrupt_resume_chain_starts_before_its_straight_run():
                            for mode in ("interrupt", "continuous"))
         assert chain > straight, branch
     assert all(f"{branch}_{mode}" in STAGES for branch in EXPORTS for mode in MODES)
+
+
+def test_a_config_runs_the_triples_and_curves_it_asks_for():
+    main = {"resume_triples": True, "curves": True}
+    seed = {"resume_triples": False, "curves": False}
+    assert all(stages.runs(name, main) for name in stages.STAGES)
+    skipped = {name for name in stages.STAGES if not stages.runs(name, seed)}
+    assert skipped == {f"{branch}_{mode}" for branch in stages.EXPORTS
+                       for mode in ("interrupt", "resume", "resume_check")} | {
+        f"curve_{branch}" for branch in stages.CURVES}

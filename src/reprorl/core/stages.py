@@ -95,6 +95,15 @@ def modes(config: dict) -> tuple[str, ...]:
     return MODES if config["resume_triples"] else ("continuous",)
 
 
+def runs(stage: str, config: dict) -> bool:
+    """Whether a run of `config` runs `stage`: a branch's interrupted and resumed runs and its
+    resume check only with the triples (`modes`), the curves only with `curves`."""
+    branch_mode = resumable(stage)
+    if branch_mode and branch_mode[1] != "continuous" and not config["resume_triples"]:
+        return False
+    return config["curves"] or not stage.startswith("curve_")
+
+
 def exporting_mode(config: dict) -> str:
     """The mode whose run exports a branch's final roles: the resume, or the straight run where
     it runs alone."""

@@ -35,7 +35,7 @@ from reprorl.core.manifest import (
     sha256_json,
     write_json,
 )
-from reprorl.core.stages import CURVES, EXPORTS, GRPO_RUNS, MODES, POLICIES, STAGES, modes
+from reprorl.core.stages import CURVES, EXPORTS, GRPO_RUNS, POLICIES, STAGES, runs
 from reprorl.model.encoding import collate, example, load_tokenizer
 from reprorl.model.roles import learned_identity
 
@@ -199,12 +199,10 @@ def stage_timings(config: dict) -> dict:
     other stages never leak in). They vary run to run, so they go to the evaluate manifest's
     run section and its log, never into results.json: two runs of the pipeline give the same
     results file, byte for byte."""
-    skipped = {f"{branch}_{mode}" for branch in EXPORTS
-               for mode in (*MODES, "resume_check") if mode not in modes(config)}
-    if not config["curves"]:
-        skipped |= {f"curve_{branch}" for branch in CURVES}
+    # the resume checks left out: a hash comparison, no cost worth listing
     return {stage: run_costs(read_json(layout.manifest(stage))["run"])
-            for stage in UPSTREAM_STAGES if stage not in skipped}
+            for stage in UPSTREAM_STAGES
+            if runs(stage, config) and not stage.endswith("_resume_check")}
 
 
 def run_costs(run: dict) -> dict:

@@ -247,6 +247,22 @@ def bad_word_ids(words: list[str], encode, vocab: int) -> tuple:
     return tuple(tuple(ids) for ids in sequences)
 
 
+def output_text(seq: Sequence, tokenizer, skip_special: bool) -> str:
+    """A finished sequence's text as vLLM answers it: an end token's own text left out unless
+    include_stop_str_in_output; a stop string's cut where `Sequence.find_stop_string` found it."""
+    if isinstance(seq.stop_reason, str):
+        return seq.text[:seq.text_end]
+    ended = seq.finish_reason == "stop" and not seq.params.include_stop
+    return tokenizer.decode(seq.generated[:-1] if ended else seq.generated,
+                            skip_special_tokens=skip_special)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": None, "completion_tokens_details": None}
+
+
 def completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
                texts: list[str | None]) -> dict:
     """vLLM's `/v1/completions` response for finished `seqs`, each prompt's `reply.samples`
@@ -254,13 +270,10 @@ def completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
     server caches it), `texts` each prompt's text as sent (None: sent as token ids)."""
     choices = [choice(seq, index, reply, tokenizer, piece, texts[index // reply.samples])
                for index, seq in enumerate(seqs)]
-    prompt_tokens = sum(len(seq.prompt) for seq in seqs[::reply.samples])
-    completion_tokens = sum(len(seq.generated) for seq in seqs)
     return {"id": f"cmpl-{reply.request_id}", "object": "text_completion",
             "created": int(time.time()), "model": reply.model, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens,
-                      "prompt_tokens_details": None, "completion_tokens_details": None},
+            "usage": usage(sum(len(seq.prompt) for seq in seqs[::reply.samples]),
+                           sum(len(seq.generated) for seq in seqs)),
             # vLLM's other top-level keys, empty here as they are in vLLM without those
             # features (tests/recorded/vllm-responses.json)
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
@@ -276,10 +289,6 @@ def choice(seq: Sequence, index: int, reply: Reply, tokenizer, piece,
     def shown_as(tid: int) -> str:
         return f"token_id:{tid}" if as_ids else piece(tid)
 
-    # an end token's own text is left out unless include_stop_str_in_output; a stop string
-    # cut the text where `Sequence.find_stop_string` found it
-    by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-    shown = seq.generated[:-1] if by_token and not seq.params.include_stop else seq.generated
     logprobs = None
     if seq.params.logprobs is not None:
         logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
@@ -294,8 +303,7 @@ def choice(seq: Sequence, index: int, reply: Reply, tokenizer, piece,
             logprobs["token_logprobs"].append(json_logprob(value))
             logprobs["top_logprobs"].append(top)
     with_ids = reply.with_ids
-    text = (seq.text[:seq.text_end] if isinstance(seq.stop_reason, str) else
-            tokenizer.decode(shown, skip_special_tokens=reply.skip_special))
+    text = output_text(seq, tokenizer, reply.skip_special)
     if reply.echo and not with_ids:  # vLLM: with return_token_ids the ids carry the prompt
         text = (prompt_text if prompt_text is not None else tokenizer.decode(
             seq.prompt, skip_special_tokens=reply.skip_special)) + text

@@ -17,7 +17,16 @@ import uuid
 
 from reprorl.model.tool_calls import parse_tool_calls
 
-from .api import SYSTEM_FINGERPRINT, Reply, boolean, json_logprob, number, text
+from .api import (
+    SYSTEM_FINGERPRINT,
+    Reply,
+    boolean,
+    json_logprob,
+    number,
+    output_text,
+    text,
+    usage,
+)
 from .sequence import ApiError, Sequence
 
 
@@ -25,7 +34,7 @@ def chat_settings(body: dict) -> dict:
     """The chat request in a completion's terms: `max_completion_tokens` (or the older
     `max_tokens`) and `logprobs: true` with `top_logprobs` k as the completion's `logprobs`."""
     settings = {k: v for k, v in body.items() if k not in (
-        "max_completion_tokens", "logprobs", "top_logprobs", "echo")}
+        "max_completion_tokens", "logprobs", "top_logprobs")}
     most = body.get("max_completion_tokens")
     settings["max_tokens"] = most if most is not None else body.get("max_tokens")
     top = number(body, "top_logprobs", 0, int)
@@ -95,11 +104,7 @@ def chat_completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
     """vLLM's chat response for the finished `seqs` (the `n` samples of one prompt)."""
     choices = []
     for index, seq in enumerate(seqs):
-        by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-        shown = seq.generated[:-1] if by_token and not seq.params.include_stop else (
-            seq.generated)
-        content = (seq.text[:seq.text_end] if isinstance(seq.stop_reason, str) else
-                   tokenizer.decode(shown, skip_special_tokens=reply.skip_special))
+        content = output_text(seq, tokenizer, reply.skip_special)
         calls = []
         if tool_calls:
             content, calls = parse_tool_calls(content)
@@ -117,14 +122,10 @@ def chat_completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
             "stop_reason": seq.stop_reason,
             "token_ids": list(seq.generated) if reply.with_ids else None,
             "routed_experts": None})
-    prompt_tokens = len(seqs[0].prompt)
-    generated = sum(len(seq.generated) for seq in seqs)
     return {"id": f"chatcmpl-{reply.request_id}", "object": "chat.completion",
             "created": int(time.time()), "model": reply.model, "choices": choices,
             "service_tier": None, "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
-                      "total_tokens": prompt_tokens + generated,
-                      "prompt_tokens_details": None, "completion_tokens_details": None},
+            "usage": usage(len(seqs[0].prompt), sum(len(seq.generated) for seq in seqs)),
             "prompt_logprobs": None,
             "prompt_token_ids": list(seqs[0].prompt) if reply.with_ids else None,
             "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,

@@ -66,9 +66,11 @@ def restricted(logits: torch.Tensor, p: Params, output: list[int]) -> torch.Tens
     allowed tokens, no bad word's last token after the rest of it, no end token before
     min_tokens, then the logit bias. Without any of them, `logits` itself."""
     vocab = logits.shape[-1]
+    if p.allowed is not None:  # every other token at -inf, the allowed ones as they were
+        keep = torch.tensor(sorted(t for t in p.allowed if t < vocab), device=logits.device)
+        logits = torch.full_like(logits, -math.inf).index_copy(
+            -1, keep, logits.index_select(-1, keep))
     barred = set()
-    if p.allowed is not None:
-        barred |= set(range(vocab)) - p.allowed
     for word in p.bad_words:
         if len(word) == 1 or list(word[:-1]) == output[len(output) - len(word) + 1:]:
             barred.add(word[-1])

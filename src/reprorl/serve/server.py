@@ -49,6 +49,7 @@ from .api import (
     refuse_constant,
     sampling_params,
     text,
+    token_ids,
 )
 from .chat import chat_completion, chat_settings, render
 from .engine_thread import EngineThread
@@ -225,14 +226,16 @@ class Server(ModelRoutes):
             raise ApiError(400, "The request body must be a JSON object.")
         return body
 
-    async def params(self, body: dict, prompt_len: int) -> Params:
-        """The request's sampling settings (in the text pool: bad words are tokenized)."""
-        def encode(text: str) -> list[int]:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    async def params(self, body: dict, lengths: list[int]) -> list[Params]:
+        """The request's sampling settings for prompts of these lengths (which bound
+        max_tokens), in the text pool: its bad words are tokenized there, once."""
+        @functools.cache
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-        return await self.in_text_pool(lambda: sampling_params(
-            body, prompt_len, self.max_len, self.args.max_logprobs, self.eos_id,
-            self.extra_eos, self.vocab, encode))
+        return await self.in_text_pool(lambda: [sampling_params(
+            body, length, self.max_len, self.args.max_logprobs, self.eos_id, self.extra_eos,
+            self.vocab, encode) for length in lengths])
 
     async def prompt(self, prompt, add_special: bool = True) -> list[int]:
         """A prompt's token ids: given, or a text's (`add_special`: the tokenizer's special
@@ -242,13 +245,10 @@ class Server(ModelRoutes):
         if isinstance(prompt, str) and prompt:
             encode = functools.partial(self.tokenizer, prompt, add_special_tokens=add_special)
             prompt = (await self.in_text_pool(encode))["input_ids"]
-        if not isinstance(prompt, list) or not prompt or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ApiError(400, "'prompt' must be a non-empty string or list of token ids "
-                           "(one prompt per request).")
-        if any(not 0 <= t < self.vocab for t in prompt):
-            raise ApiError(400, f"Token id out of vocabulary (size {self.vocab}).")
-        return prompt
+        if not prompt:
+            raise ApiError(400, "'prompt' must be a non-empty string or list of token ids.",
+                           param="prompt")
+        return token_ids({"prompt": prompt}, "prompt", self.vocab)
 
     def refuse_if_overloaded(self) -> None:
         if len(self.engine.waiting) >= self.args.max_waiting_requests:
@@ -301,7 +301,7 @@ class Server(ModelRoutes):
         texts = [prompt if isinstance(prompt, str) else None for prompt in sent]
         add_special = boolean(body, "add_special_tokens", True)
         ids = [await self.prompt(prompt, add_special) for prompt in sent]
-        params = [await self.params(body, len(prompt)) for prompt in ids]
+        params = await self.params(body, [len(prompt) for prompt in ids])
         seed = number(body, "seed", None, int)
         del body  # a waiting request keeps only what its reply needs
         seqs = await self.samples(ids, params, model, seed, reply)
@@ -329,7 +329,7 @@ class Server(ModelRoutes):
         reply = Reply.of(body, model)
         rendered, tools = await self.in_text_pool(functools.partial(render, body, self.tokenizer))
         prompt = await self.prompt(rendered)
-        params = await self.params(chat_settings(body), len(prompt))
+        (params,) = await self.params(chat_settings(body), [len(prompt)])
         seed = number(body, "seed", None, int)
         del body
         seqs = await self.samples([prompt], [params], model, seed, reply)
@@ -355,7 +355,7 @@ class Server(ModelRoutes):
             # fills it already is refused (by `params`)
             settings = {**settings, "max_tokens": min(settings["max_tokens"],
                                                       self.max_len - len(prompt))}
-        params = await self.params(settings, len(prompt))
+        (params,) = await self.params(settings, [len(prompt)])
         if self.args.return_sampling_mask:  # vLLM's per-request rule under the flag
             if params.temperature <= 0 or params.top_k <= 0:
                 raise ApiError(400, "return_sampling_mask needs temperature > 0 and top_k > 0.")
