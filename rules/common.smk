@@ -154,11 +154,9 @@ def training_inputs(branch, mode):
 
 
 def nested_cores(wildcards, threads):
-    """Cores of a seed's nested run: where Snakemake runs the jobs itself, an equal share of its
-    cores among the main run and the other seeds' runs, which run at once (at least one core);
+    """Cores of a seed's nested run: every core Snakemake has where it runs the jobs itself;
     under a cluster executor (no --cores) the job's own threads."""
     try:
-        cores = workflow.cores
+        return max(threads, workflow.cores)
     except WorkflowError:
-        return max(threads, 1)
-    return max(threads, cores // len(config["seeds"]), 1)
+        return threads

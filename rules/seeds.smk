@@ -23,12 +23,11 @@ rule seed_run:
         layout.benchmark("seed_run-{seed}")
     conda:
         "../workflow/envs/reprorl.yaml"
-    # no core of its own where Snakemake runs the jobs itself: every seed run starts beside the
-    # main run's jobs once the base model exists, each nested run on its share of the cores
-    # (nested_cores), and the kernel shares them out; with the seeds queued behind the main run
-    # two at a time, both cores idled while a GRPO stage waited on its server (the SLURM
-    # profile sets seed_run's threads itself)
-    threads: 0
+    # one core here, yet the nested run may use every core (nested_cores): the seed runs and
+    # the main run's jobs then fill each other's gaps, two at a time on two cores, where a seed
+    # holding all cores alone left one idle along its longest path (the SLURM profile sets
+    # seed_run's threads itself)
+    threads: 1
     params:
         config=json.dumps(
             {k: v for k, v in config.items() if k != "seeds"}, sort_keys=True
