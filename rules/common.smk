@@ -7,10 +7,11 @@
 # part of the configuration it reads: editing src/reprorl/pipeline/base_model.py or model.*
 # re-runs base_model and its dependents only.
 import json
+import os
 
 from reprorl.core import layout
 from reprorl.core.codehash import code_hash
-from reprorl.core.config import stage_config_json, validate
+from reprorl.core.config import CHECKPOINT_EVERY_ENV, stage_config_json, validate
 from reprorl.core.errors import ConfigError
 from reprorl.core.stages import (
     CURVES,
@@ -34,6 +35,7 @@ try:
     config.update(validate(config))
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
+os.environ[CHECKPOINT_EVERY_ENV] = str(config["checkpoint_every"])  # every job inherits it
 
 
 # What `snakemake --report report.html` shows: (stage, output name) -> (caption, category).

@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CRASH_REPORT: dict[str, dict] = {}  # test_crash.py: the kill points of each stage
+PREEMPT_REPORT: dict[str, dict] = {}  # test_crash.py: each stage's stops and work
 WORKFLOW_PARTS = ("Snakefile", "rules", "workflow", "configs", "src")
 
 
@@ -119,3 +120,9 @@ def pytest_terminal_summary(terminalreporter):
                 f"{stage}: {record['kill_points']} kill points landed mid-job at "
                 f"{record['seconds_into_job']} s (reference job {record['reference_job_s']:g}"
                 f" s; {record['misses_redrawn']} misses drawn again)")
+    if PREEMPT_REPORT:
+        terminalreporter.section("in-rule checkpoints: stops per stage (signal, step)")
+        for stage, record in PREEMPT_REPORT.items():
+            terminalreporter.write_line(
+                f"{stage}: {record['stops']}; {record['steps_computed']} steps computed for "
+                f"{record['steps']}")

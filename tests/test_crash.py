@@ -10,6 +10,12 @@ reference's (no partial artifact is ever visible), and after `snakemake --unlock
 `--rerun-incomplete` the stage's manifest must equal the reference's (hashed section). Async
 GRPO is held to the same rule: on its fixed schedule a run replays bit for bit.
 The kill points of every stage are printed in pytest's terminal summary.
+
+In-rule checkpoints (`core/preempt.py`): each non-GRPO stage under test is stopped several
+times in one working folder, by SIGTERM (what SLURM sends every process of a job at its time
+limit) and by SIGKILL, each at a random step, each stop followed by `--rerun-incomplete`; the
+finished stage's files must be the uninterrupted run's, and all its attempts together must
+have computed fewer than twice its steps.
 """
 
 import os
@@ -21,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CRASH_REPORT, copy_workflow
+from conftest import CRASH_REPORT, PREEMPT_REPORT, copy_workflow
 
 from reprorl.core.manifest import read_json, sha256_file, sha256_json
 from reprorl.core.stages import EXPORTS, MODES
@@ -58,7 +64,7 @@ def _files(workdir: Path) -> dict[str, str]:
     files = {}
     for top in TRACKED:
         for path in (workdir / top).rglob("*"):
-            temporary = any(part.endswith(".tmp") for part in path.parts)
+            temporary = any(part.endswith(".tmp") or part == "scratch" for part in path.parts)
             if not path.is_file() or temporary or "benchmarks" in path.parts \
                     or path.name == ".snakemake_timestamp":
                 continue
@@ -150,6 +156,82 @@ def test_sigkill_then_rerun_incomplete_equals_uninterrupted(reference, stage, tm
 
     for workdir in _kill_points(reference_dir, stage, tmp_path, nothing_partial):
         assert read_json(workdir / f"outputs/manifests/{stage}.json")["hashed"] == expected
+
+
+# the stages whose in-rule checkpoints are tested (GRPO's engine keeps its own checkpoints)
+PREEMPTED = [stage for stage in STAGES if not stage.startswith("grpo")]
+STOPS = (signal.SIGTERM, signal.SIGKILL, signal.SIGTERM, signal.SIGKILL)
+EVERY = 3  # checkpoint_every of the stopped runs, in steps (the reference ran with the default)
+
+
+def _work(workdir: Path, stage: str) -> list[str]:
+    """The stage's work log (`preempt.py`): a `start N` line per attempt, a line per step."""
+    logs = list((workdir / "assets/scratch").glob(f"{stage}-*/work.log"))
+    return logs[0].read_text().splitlines() if logs else []
+
+
+def _position(lines: list[str]) -> int:
+    """The step the latest attempt has reached."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("start")]
+    if not starts:
+        return 0
+    return int(lines[starts[-1]].split()[1]) + sum(
+        line.isdigit() for line in lines[starts[-1]:])
+
+
+def _stop_at(workdir: Path, stage: str, step: int, signum: int, first: bool) -> int:
+    """Start Snakemake on the stage, send `signum` to its whole process group once the stage
+    has reached `step`; returns the step the signal found it at."""
+    target = f"outputs/manifests/{stage}.json"
+    how = ["--forcerun", stage] if first else ["--rerun-incomplete"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "2", target, *how,
+         "--config", f"checkpoint_every={EVERY}", *CI], cwd=workdir, env=_env(workdir),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while (reached := _position(_work(workdir, stage))) < step:
+        assert process.poll() is None, f"{stage} ended before step {step}"
+        assert time.monotonic() < deadline, f"{stage} never reached step {step}"
+        time.sleep(0.01)
+    os.killpg(process.pid, signum)
+    assert process.wait(timeout=120) != 0
+    deadline = time.monotonic() + 10
+    while _process_group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _process_group_alive(process.pid), "a child process survived the stop"
+    assert not (workdir / target).exists()
+    return reached
+
+
+@pytest.mark.parametrize("stage", PREEMPTED)
+def test_stopped_stages_continue_from_their_checkpoints(reference, stage, tmp_path):
+    reference_dir, reference_files = reference
+    manifest = read_json(reference_dir / f"outputs/manifests/{stage}.json")
+    steps = manifest["run"]["in_rule_checkpoints"]["steps_computed"]  # uninterrupted: all
+    workdir = _upstream_ready(reference_dir, tmp_path / "wf")
+    rng, stops = random.Random(f"{stage}-stops"), []
+    for number, signum in enumerate(STOPS):
+        done = _position(_work(workdir, stage)) if number else 0
+        room = (steps - done) // (len(STOPS) - number + 1)
+        step = done + rng.randint(1, max(1, room))
+        reached = _stop_at(workdir, stage, step, signum, first=number == 0)
+        lines = _work(workdir, stage)
+        if signum == signal.SIGTERM:  # the checkpoint is written at the next step: none lost
+            assert lines[-1].startswith("stop") and lines[-1].split()[1] == lines[-2]
+        stops.append((signal.Signals(signum).name, reached))
+        assert _snakemake(workdir, "--unlock").returncode == 0
+    result = _snakemake(workdir, "--rerun-incomplete", f"outputs/manifests/{stage}.json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    finished = read_json(workdir / f"outputs/manifests/{stage}.json")
+    assert finished["hashed"] == manifest["hashed"]
+    files = _files(workdir)
+    assert {n: d for n, d in files.items() if n in reference_files} == {
+        n: reference_files[n] for n in files if n in reference_files}
+    assert not list((workdir / "assets/scratch").glob("*"))  # gone once the stage is complete
+    work = finished["run"]["in_rule_checkpoints"]
+    assert work["attempts"] == len(STOPS) + 1 and work["steps_computed"] < 2 * steps
+    PREEMPT_REPORT[stage] = {"stops": stops, "steps": steps,
+                             "steps_computed": work["steps_computed"]}
 
 
 def _process_group_alive(pgid: int) -> bool:

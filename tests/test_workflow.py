@@ -293,8 +293,9 @@ def test_forcerun_reruns_the_rule_and_exactly_its_dependents(workflow, rule, exp
 
 
 def test_config_edit_reruns_only_its_stage(workflow):
-    # pretrain_threads: not a result
+    # pretrain_threads, checkpoint_every: not a result
     assert planned_rules(workflow, "--config", "pretrain_threads=1") == set()
+    assert planned_rules(workflow, "--config", "checkpoint_every=5") == set()
     changed = planned_rules(workflow, "--config", "seed=49", "profile=other")
     assert changed == set()
 

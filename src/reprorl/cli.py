@@ -1,7 +1,8 @@
 """Command line: `reprorl <stage> --config configs/default.yaml` (or `--config-json` from rules).
 
 Each stage runs inside a `StageRun`, which writes the stage's manifest after its outputs. A
-`ReproError` (bad input, preserved artifact, failed check) prints one line and exits with 2.
+`ReproError` (bad input, preserved artifact, failed check) prints one line and exits with 2; a
+training stage stopped by SIGTERM or SIGUSR1 exits with 128 + the signal (`core/preempt.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from reprorl.core import config as configuration
 from reprorl.core import layout, numerics, stages
 from reprorl.core.codehash import code_hash
-from reprorl.core.errors import ReproError
+from reprorl.core.errors import Preempted, ReproError
 from reprorl.core.manifest import StageRun, audit_manifests
 from reprorl.core.stages import STAGES
 
@@ -25,7 +26,7 @@ def _log(message: str) -> None:
     print(message, flush=True)
 
 
-def run_stage(name: str, config: dict, threads: int) -> dict:
+def run_stage(name: str, config: dict, threads: int, checkpoint_every: str | None = None) -> dict:
     numerics.pin(config["numerics"])  # before torch: every process the stage starts inherits it
     import torch
 
@@ -43,7 +44,10 @@ def run_stage(name: str, config: dict, threads: int) -> dict:
             config = {**config, "model": {**config["model"], "device": device.type}}
     subset = configuration.stage_config(config, name)
     module = importlib.import_module(f"reprorl.{STAGES[name].module}")
-    with StageRun(name, config=subset, code_hash=code_hash(name)) as run:
+    # the rules pass it in the environment (a config subset has no checkpoint_every)
+    every = (checkpoint_every or os.environ.get(configuration.CHECKPOINT_EVERY_ENV)
+             or config.get("checkpoint_every"))
+    with StageRun(name, config=subset, code_hash=code_hash(name), checkpoint_every=every) as run:
         return module.stage(name, config, run, log=_log)
 
 
@@ -69,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
         source.add_argument("--config-json", help="validated config as JSON (used by rules)")
         sub.add_argument("--threads", type=int, default=None,
                          help="torch threads (default: what the stage's rule declares)")
+        sub.add_argument("--checkpoint-every", default=None,
+                         help="a training stage's in-rule checkpoints: steps, or seconds as "
+                              "'60s' (default: $REPRORL_CHECKPOINT_EVERY, which the rules set, "
+                              "or the config's checkpoint_every)")
     commands.add_parser("serve", add_help=False,
                         help="vLLM-compatible generation server (reprorl serve --help)")
     listing = commands.add_parser(
@@ -164,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
                 config = configuration.load_json(args.config_json)
             threads = numerics.threads(stages.threads(args.command, config), args.threads,
                                        config["numerics"])
-            result = run_stage(args.command, config, threads)
+            result = run_stage(args.command, config, threads, args.checkpoint_every)
+    except Preempted as stop:  # a failure to Snakemake, which reruns the job
+        print(f"reprorl {args.command}: {stop}", file=sys.stderr, flush=True)
+        return stop.status
     except ReproError as error:
         print(f"reprorl {args.command}: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -24,6 +24,9 @@ from .stages import STAGES
 
 SCHEMA_PATH = Path(__file__).parents[1] / "schemas" / "config.schema.yaml"
 HINT = "see workflow/schemas/config.schema.yaml for every key, its type and its default"
+# checkpoint_every reaches the stages through the environment, not a rule's params: it changes
+# no output, so changing it must re-run nothing (the rules set it, `reprorl <stage>` reads it)
+CHECKPOINT_EVERY_ENV = "REPRORL_CHECKPOINT_EVERY"
 
 
 @cache

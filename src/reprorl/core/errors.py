@@ -30,3 +30,12 @@ class ModelDirectoryError(ReproError):
 
 class AuditError(ReproError):
     """A file no longer has the sha256 its manifest recorded."""
+
+
+class Preempted(ReproError):
+    """A signal asked a training stage to stop, and its checkpoint is written (`preempt.py`);
+    the command exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.status = 128 + signum

@@ -14,6 +14,7 @@ from string import Formatter
 CORPUS = Path("data/generated")
 CHECKPOINTS = Path("assets/checkpoints")
 GRPO_SCRATCH = Path("assets/grpo")  # the GRPO engine's scratch output_dir (per run, mode)
+STAGE_SCRATCH = Path("assets/scratch")  # in-rule checkpoints (`preempt.py`), per stage
 OUTPUTS = Path("outputs")
 MANIFESTS = OUTPUTS / "manifests"
 LEARNING = OUTPUTS / "learning"
@@ -63,7 +64,7 @@ README_DIGESTS = Path("benchmarks/digests/readme.json")
 FIGURES = ("pretraining", "warmstart", "ppo", "grpo", "policies", "curves", "probes")
 # what a generation job must not see: labels, learning outputs and judgements
 HIDDEN_FROM_GENERATION = (CORPUS / "labels", CORPUS_MANIFEST, LEARNING, GRPO_SCRATCH,
-                          REWARD_TEST, RESULTS, EXERCISE.parent)
+                          STAGE_SCRATCH, REWARD_TEST, RESULTS, EXERCISE.parent)
 # output names that are folders (the rules declare them with directory())
 DIRECTORIES = frozenset({"model", "rollouts", "peft", "snapshots"})
 
@@ -97,6 +98,8 @@ def final_files(name: str) -> list[Path]:
 # the async GRPO engine's output_dir (checkpoint-*/, metrics.jsonl), a scratch folder: the
 # stage keeps its final checkpoint in the branch's state and removes it
 grpo_output_dir = Pattern(GRPO_SCRATCH / "{branch}-{mode}.tmp")
+# a training stage's in-rule checkpoints (`preempt.py`), keyed by a hash of its identity
+stage_scratch = Pattern(STAGE_SCRATCH / "{stage}-{key}")
 # a seed's nested run of the main results (`seeds.py`): its own working directory
 seed_dir = Pattern(OUTPUTS / "seeds/{seed}")
 # judging

@@ -186,26 +186,31 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield scratch
-        if path.exists():
-            # Snakemake pre-creates the parent folders of declared outputs: an empty tree is
-            # replaced, anything holding a file is not.
-            if files_under(path):
-                raise PreservedArtifactError(f"{path} holds files already; it was not replaced")
-            shutil.rmtree(path)
-        for file in files_under(scratch):  # libraries writing into scratch may use mkstemp too
-            os.chmod(file, 0o666 & ~_UMASK)
-            fsync_path(file)  # nor do they fsync: the folder must not arrive with empty files
-        for folder in (*sorted(p for p in scratch.rglob("*") if p.is_dir()), scratch):
-            fsync_path(folder)
-        os.chmod(scratch, 0o777 & ~_UMASK)
-        os.replace(scratch, path)
-        fsync_path(path.parent)
+        publish_directory(scratch, path)
     finally:
         if scratch.exists():
             shutil.rmtree(scratch)
 
 
-# ---------------------------------------------------------------- stage manifests
+def publish_directory(scratch: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Move the finished folder `scratch` to `path` in one rename (the same filesystem), every
+    file in it synced first."""
+    scratch, path = Path(scratch), Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        # Snakemake pre-creates the parent folders of declared outputs: an empty tree is
+        # replaced, anything holding a file is not.
+        if files_under(path):
+            raise PreservedArtifactError(f"{path} holds files already; it was not replaced")
+        shutil.rmtree(path)
+    for file in files_under(scratch):  # libraries writing into scratch may use mkstemp too
+        os.chmod(file, 0o666 & ~_UMASK)
+        fsync_path(file)  # nor do they fsync: the folder must not arrive with empty files
+    for folder in (*sorted(p for p in scratch.rglob("*") if p.is_dir()), scratch):
+        fsync_path(folder)
+    os.chmod(scratch, 0o777 & ~_UMASK)
+    os.replace(scratch, path)
+    fsync_path(path.parent)
 
 
 def library_versions() -> dict[str, str]:
@@ -294,8 +299,10 @@ class StageRun:
     `inputs` defaults to what the stage recorded reading, `outputs` to its `stages.outputs`.
     """
 
-    def __init__(self, stage: str, *, config: dict, code_hash: str):
+    def __init__(self, stage: str, *, config: dict, code_hash: str,
+                 checkpoint_every: int | str | None = None):
         self.stage, self.config, self.code_hash = stage, config, code_hash
+        self.checkpoint_every = checkpoint_every  # a training stage's (`preempt.py`)
         self.started = 0.0
         self.manifest: dict | None = None
 

@@ -9,6 +9,7 @@ back, never arbitrary pickled objects, and only files this project wrote are eve
 
 from __future__ import annotations
 
+import collections
 import gzip
 import io
 import pickle
@@ -31,7 +32,7 @@ def save_state(path: str | Path, state: dict) -> dict:
     """Write `state`, every tensor in it on the CPU: a state from a GPU run is read anywhere
     (`resume_check` jobs hold no GPU), and loads back onto the run's device where it is used."""
     buffer = io.BytesIO()
-    torch.save(_on_cpu(state), buffer)
+    torch.save(_canonical(state, {}), buffer)
     raw = buffer.getvalue()
     packed = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", compresslevel=1, fileobj=packed, mtime=0) as out:
@@ -41,29 +42,31 @@ def save_state(path: str | Path, state: dict) -> dict:
             "sha256": sha256_file(path)}
 
 
-def _on_cpu(value: Any) -> Any:
-    """`value` with its tensors on the CPU; a container with none elsewhere is returned as it
-    is (the same object, so a CPU run's pickle, shared references included, is unchanged)."""
+def _canonical(value: Any, strings: dict[str, str]) -> Any:
+    """`value` rebuilt with its tensors on the CPU and every equal string one object. Pickle
+    writes a string it has met before as a reference to it, by identity: so a run that read
+    part of its history back from a checkpoint (fresh string objects) would write other bytes
+    than a run that never stopped (the code's interned literals) for the same state."""
     if isinstance(value, torch.Tensor):
         return value.cpu()  # the same tensor when it is there already
-    if isinstance(value, dict):
-        moved = {key: _on_cpu(child) for key, child in value.items()}
-        same = all(moved[key] is child for key, child in value.items())
-    elif isinstance(value, (list, tuple)):
-        items = [_on_cpu(child) for child in value]
-        same = all(a is b for a, b in zip(items, value))
-        moved = tuple(items) if isinstance(value, tuple) else items
-    else:
-        return value
-    return value if same else moved
+    if isinstance(value, str):
+        return strings.setdefault(value, value)
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((_canonical(key, strings), _canonical(child, strings))
+                           for key, child in value.items())
+    if type(value) in (list, tuple):  # not a subclass (torch.Size, a named tuple): as it is
+        return type(value)(_canonical(child, strings) for child in value)
+    return value
 
 
-def load_state(path: str | Path) -> dict:
-    """A state written by `save_state`, recorded as an input of the running stage."""
+def load_state(path: str | Path, record: bool = True) -> dict:
+    """A state written by `save_state`, recorded as an input of the running stage (unless
+    `record` is False: an in-rule checkpoint is scratch, `preempt.py`)."""
     path = Path(path)
     if not path.is_file():
         raise ReproError(f"resume state {path} is missing: run the stage that writes it first")
-    record_read(path)
+    if record:
+        record_read(path)
     state = _unpickle(path, _gunzip(path))
     if not isinstance(state, dict) or "identity" not in state:  # as ResumableRun.save writes
         what = "a dict without an identity" if isinstance(state, dict) else (

@@ -34,7 +34,9 @@ from reprorl.core.manifest import (
     sha256_file,
     write_json,
 )
+from reprorl.core.preempt import Checkpoints
 from reprorl.core.progress import progress
+from reprorl.core.state import restore_rng, rng_state
 from reprorl.model.encoding import chat_prompt
 from reprorl.model.schedule import linear_warmup_decay
 
@@ -125,8 +127,11 @@ def train_tokenizer(texts: list[str], vocab_size: int):
 # ---------------------------------------------------------------- embedded base
 
 
-def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> list[float]:
-    """Next-token cross-entropy on every non-pad token; returns the loss of each step."""
+def pretrain(model, tokenizer, texts: list[str], settings: dict,
+             checkpoints: Checkpoints | None = None, log=print) -> list[float]:
+    """Next-token cross-entropy on every non-pad token; returns the loss of each step. In the
+    stage, a rerun of a killed job continues from its latest in-rule checkpoint
+    (`core/preempt.py`)."""
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     pad_id = tokenizer.pad_token_id
     order_rng = torch.Generator().manual_seed(settings["shuffle_seed"])
@@ -136,9 +141,27 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
     order: list[int] = []
     curve = []
     device = devices.of(model)  # batches are filled on the CPU, then moved once
+    saved = checkpoints.latest() if checkpoints else None
+    if saved:
+        model.load_state_dict(saved["learned"]["model"])
+        optimizer.load_state_dict(saved["optimizers"]["model"])
+        order_rng.set_state(saved["generators"]["order"])
+        restore_rng(saved["rng"])
+        order, curve = saved["progress"]["order"], saved["progress"]["curve"]
+    if checkpoints:
+        checkpoints.start(len(curve))
+
+    def state() -> dict:  # the format of every resume state (`resumable.py`)
+        return {"identity": checkpoints.identity,
+                "learned": {"model": {n: t.detach().clone()
+                                      for n, t in model.state_dict().items()}},
+                "optimizers": {"model": optimizer.state_dict()},
+                "generators": {"order": order_rng.get_state()}, "rng": rng_state(device),
+                "updates": len(curve), "progress": {"order": order, "curve": curve}}
+
     started = time.perf_counter()
-    bar = progress(settings["steps"], "pretrain")
-    for step in range(settings["steps"]):
+    bar = progress(settings["steps"], "pretrain", initial=len(curve))
+    for step in range(len(curve), settings["steps"]):
         if len(order) < settings["batch_size"]:
             order += torch.randperm(len(ids), generator=order_rng).tolist()
         batch, order = order[: settings["batch_size"]], order[settings["batch_size"] :]
@@ -164,12 +187,14 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict, log=print) -> l
         if step % 50 == 0 or step == settings["steps"] - 1:
             log(f"pretrain step {step + 1}/{settings['steps']} loss {curve[-1]:.4f} "
                 f"lr {lr:.2e} {time.perf_counter() - started:.0f}s")
+        if checkpoints:
+            checkpoints.reached(step + 1, state)
     bar.close()
     model.eval()
     return curve
 
 
-def build_embedded(config: dict, log=print) -> dict:
+def build_embedded(config: dict, log=print, checkpoints: Checkpoints | None = None) -> dict:
     """Train the tokenizer, pretrain the model, save both into `model.path` atomically."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -198,7 +223,7 @@ def build_embedded(config: dict, log=print) -> dict:
     torch.manual_seed(size["init_seed"])  # initialised on the CPU, then moved: the same base
     model = Qwen2ForCausalLM(model_config).to(torch.float32)
     model = model.to(devices.resolve(config["model"]["device"]))
-    curve = pretrain(model, tokenizer, texts, settings, log)
+    curve = pretrain(model, tokenizer, texts, settings, checkpoints, log)
     model = model.to(getattr(torch, config["model"]["dtype"]))
     model.generation_config.do_sample = False
     with atomic_directory(config["model"]["path"]) as scratch:
@@ -389,13 +414,18 @@ def stage(name: str, config: dict, run, log=print) -> dict:
                 f"{directory} already holds files; the embedded base is rebuilt only into an "
                 "empty place: delete it, or run Snakemake, which clears a rule's outputs first"
             )
-        built = build_embedded(config, log)
+        # what decides the weights: the stage's config, code and torch threads
+        checkpoints = Checkpoints(name, {"config": run.config, "code_sha256": run.code_hash,
+                                         "threads": torch.get_num_threads()},
+                                  run.checkpoint_every)
+        built = build_embedded(config, log, checkpoints)
         summary = {"source": "embedded", **verify(config), **built}
+        work = {"in_rule_checkpoints": checkpoints.finish()}
     else:  # the user's directory is this stage's input, not its output
-        summary = {"source": "local", **verify(config)}
+        summary, work = {"source": "local", **verify(config)}, {}
         record_read(directory)
     write_json(layout.BASE_MODEL_SUMMARY, summary)
     compact = {k: v for k, v in summary.items() if k != "learning_curve"}
-    run.finish(summary=compact)
+    run.finish(summary=compact, run_info=work)
     return compact
 

@@ -30,9 +30,9 @@ from reprorl.core import devices, layout, numerics
 from reprorl.core.codehash import code_hash
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import (
-    atomic_directory,
     hash_paths,
     peak_rss_mb,
+    publish_directory,
     read_json,
     record_read,
     write_json,
@@ -243,7 +243,7 @@ def consume(state: dict, entry: dict) -> None:
     state["history"].append(entry)
 
 
-def train(config: dict, mode: str, log=print) -> dict:
+def train(config: dict, mode: str, checkpoint_every=None, log=print) -> dict:
     branch_run = Branch("ppo", mode)
     settings, limits = config["ppo"], config["limits"]
     seed_everything(settings["seed"])
@@ -261,47 +261,53 @@ def train(config: dict, mode: str, log=print) -> dict:
     prompt_generator = torch.Generator().manual_seed(settings["prompt_seed"])
     generation = torch.Generator().manual_seed(settings["generation_seed"])
     run = ResumableRun(branch_run, identity(config, initial), roles_, optimizers,
-                       {"prompts": prompt_generator, "generation": generation}, schedule)
-    updates = 0
-    state = {"order": [], "cursor": 0, "iteration": 0, "history": [], "consumed": []}
-    if branch_run.resumes:
-        updates, state = run.resume()
+                       {"prompts": prompt_generator, "generation": generation}, schedule,
+                       checkpoint_every, step_key="iteration")
+    updates, state = run.resume() or (
+        0, {"order": [], "cursor": 0, "iteration": 0, "history": [], "consumed": []})
     stop = branch_run.stop(INTERRUPT_AT, ITERATIONS)
     timer = PhaseTimer()
     started = time.perf_counter()
     bar = progress(ITERATIONS, f"ppo {mode}", initial=state["iteration"])
-    # the iteration files (and a straight run's snapshots) appear under their final folders
-    # only once the run has finished
+    # the iteration files (and a straight run's snapshots) are written beside the in-rule
+    # checkpoints, which a rerun continues with, and appear under their final folders only
+    # once the run has finished
     keep_at = snapshots.points(ITERATIONS) if branch_run.keeps_snapshots else []
-    kept = atomic_directory(layout.snapshots("ppo")) if keep_at else contextlib.nullcontext()
-    with atomic_directory(layout.rollouts(mode)) as rollout_dir, kept as snapshot_dir:
-        if keep_at:
-            snapshots.write_plan(snapshot_dir, ITERATIONS)
-        while state["iteration"] < stop:
-            chosen, state["order"], state["cursor"] = next_prompts(
-                state["order"], state["cursor"], prompt_generator, PROMPTS_PER_ITERATION,
-                len(pages))
-            number = state["iteration"] + 1
-            rollouts, entry = iterate(roles_, optimizers, tokenizer, [pages[i] for i in chosen],
-                                      number, generation, schedule, updates, settings, limits,
-                                      timer)
-            consume(state, entry)
-            updates += UPDATES_PER_BATCH
-            bar.update(1)
-            write_json(rollout_dir / f"iteration-{number:03d}.json",
-                       {"iteration": number, "rollouts": rollouts})
-            if number in keep_at:
-                snapshots.keep(roles_["actor"].backbone, snapshot_dir, number,
-                               config["model"]["path"])
-            if number % 10 == 0 or number == stop:
-                seconds = time.perf_counter() - started
-                log(f"ppo {mode}: iteration {number}/{ITERATIONS}, mean RM score "
-                    f"{entry['mean_reward_model_score']:.3f}, {seconds:.0f}s")
+    rollout_dir, snapshot_dir = (run.checkpoints.folder / name for name in ("rollouts", "kept"))
+    rollout_dir.mkdir(parents=True, exist_ok=True)
+    if keep_at:
+        snapshots.write_plan(snapshot_dir, ITERATIONS)
+    while state["iteration"] < stop:
+        chosen, state["order"], state["cursor"] = next_prompts(
+            state["order"], state["cursor"], prompt_generator, PROMPTS_PER_ITERATION,
+            len(pages))
+        number = state["iteration"] + 1
+        rollouts, entry = iterate(roles_, optimizers, tokenizer, [pages[i] for i in chosen],
+                                  number, generation, schedule, updates, settings, limits,
+                                  timer)
+        consume(state, entry)
+        updates += UPDATES_PER_BATCH
+        bar.update(1)
+        write_json(rollout_dir / f"iteration-{number:03d}.json",
+                   {"iteration": number, "rollouts": rollouts})
+        if number in keep_at:
+            snapshots.keep(roles_["actor"].backbone, snapshot_dir, number,
+                           config["model"]["path"])
+        if number % 10 == 0 or number == stop:
+            seconds = time.perf_counter() - started
+            log(f"ppo {mode}: iteration {number}/{ITERATIONS}, mean RM score "
+                f"{entry['mean_reward_model_score']:.3f}, {seconds:.0f}s")
+        run.reached(updates, state)
     bar.close()
     seconds = time.perf_counter() - started
     storage = run.save(updates, state)
+    run.checkpoints.discard()
+    publish_directory(rollout_dir, layout.rollouts(mode))
+    if keep_at:
+        publish_directory(snapshot_dir, layout.snapshots("ppo"))
     final = {name: roles.learned_identity(role) for name, role in roles_.items()}
-    costs = {"seconds": seconds, "phase_seconds": timer.seconds, "peak_rss_mb": peak_rss_mb()}
+    costs = {"seconds": seconds, "phase_seconds": timer.seconds, "peak_rss_mb": peak_rss_mb(),
+             "in_rule_checkpoints": run.checkpoints.finish()}
     report = {"mode": mode, "iterations": state["iteration"], "updates_per_optimizer": updates,
               "history": state["history"], "final_learned": final, "roles_initial": initial,
               "checkpoint": storage,
@@ -361,7 +367,7 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         return summary
     mode = name.removeprefix("ppo_")
     Branch("ppo", mode).refuse_to_overwrite()
-    summary = train(config, mode, log)
+    summary = train(config, mode, run.checkpoint_every, log)
     costs = summary.pop("costs")
     run.finish(summary=summary, run_info=costs)
     return summary

@@ -14,7 +14,9 @@ run's state holds its trainer's checkpoint instead, `grpo_run.py`); for the othe
 - `progress`: the loop's own position and history (epoch, prompt cursor, consumed ids, ...).
 `ResumableRun` restores them in that order and, at the end, checks that every frozen base and
 every role without an optimiser is unchanged and every trained role moved, then saves. The
-`<branch>_resume_check` stages compare two final states bit for bit.
+in-rule checkpoints a killed job continues from (`core/preempt.py`) are the same states, built
+and restored by the same code. The `<branch>_resume_check` stages compare two final states bit
+for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from reprorl.core import layout
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import refuse_to_overwrite, sha256_file, write_json
+from reprorl.core.preempt import Checkpoints
 from reprorl.core.stages import CURVES, exporting_mode
 from reprorl.core.state import first_difference, load_state, restore_rng, rng_state, save_state
 from reprorl.model.roles import (
@@ -94,18 +97,29 @@ class ResumableRun:
 
     def __init__(self, branch: Branch, identity: dict, roles: dict[str, Role],
                  optimizers: dict[str, torch.optim.Optimizer],
-                 generators: dict[str, torch.Generator], schedule: Callable[[int], Any]):
+                 generators: dict[str, torch.Generator], schedule: Callable[[int], Any],
+                 checkpoint_every: int | str | None = None, step_key: str | None = None):
         self.branch, self.identity, self.roles = branch, identity, roles
         self.optimizers, self.generators, self.schedule = optimizers, generators, schedule
         self.initial = {name: (learned_identity(role), frozen_identity(role))
                         for name, role in roles.items()}
+        self.checkpoints = Checkpoints(f"{branch.name}_{branch.mode}", identity,
+                                       checkpoint_every)
+        self.step_key = step_key  # the progress entry counting the stage's steps (else updates)
 
     def position(self, updates: int) -> dict:
         return {"next_update": updates, "next_lr": self.schedule(updates)}
 
-    def resume(self) -> tuple[int, dict]:
-        """Restore the interrupt state into this run; returns (updates, progress)."""
-        state = self.branch.interrupt_state(self.identity)
+    def resume(self) -> tuple[int, dict] | None:
+        """Where this run starts: its own latest in-rule checkpoint (a rerun after a kill), else
+        a resume's interrupt state, else the start (None); returns (updates, progress)."""
+        # a resume reads its interrupt state either way: it is the stage's input, which the
+        # manifest names, and the checkpoint descends from it
+        start = self.branch.interrupt_state(self.identity) if self.branch.resumes else None
+        state = self.checkpoints.latest() or start
+        if state is None:
+            self.checkpoints.start(0)
+            return None
         for name, role in self.roles.items():
             load_learned(role, state["learned"][name])
         for name, optimizer in self.optimizers.items():
@@ -116,7 +130,30 @@ class ResumableRun:
         if state["scheduler"] != self.position(state["updates"]):
             raise ReproError(f"the saved {self.branch.name} schedule position does not match "
                              "this run's schedule")
+        self.checkpoints.start(self.step(state["updates"], state["progress"]))
         return state["updates"], state["progress"]
+
+    def step(self, updates: int, progress: dict) -> int:
+        return progress[self.step_key] if self.step_key else updates
+
+    def reached(self, updates: int, progress: dict) -> None:
+        """A safe point (no work pending): an in-rule checkpoint when due, a stop if asked."""
+        self.checkpoints.reached(self.step(updates, progress),
+                                 lambda: self.state(updates, progress))
+
+    def state(self, updates: int, progress: dict) -> dict:
+        """The complete state: an in-rule checkpoint's, or (`save`) the run's final one."""
+        return {
+            "identity": self.identity,
+            "learned": {name: {n: t.detach().clone() for n, t in learned_state(role).items()}
+                        for name, role in self.roles.items()},
+            "optimizers": {name: o.state_dict() for name, o in self.optimizers.items()},
+            "generators": {name: g.get_state() for name, g in self.generators.items()},
+            "rng": rng_state(next(iter(self.roles.values())).device),
+            "updates": updates,
+            "scheduler": self.position(updates),
+            "progress": progress,
+        }
 
     def save(self, updates: int, progress: dict) -> dict:
         """Check what must and must not have moved, then write the complete state."""
@@ -130,18 +167,7 @@ class ResumableRun:
                 raise ReproError(f"{branch}: training did not change the {name}")
             if name not in self.optimizers and moved:
                 raise ReproError(f"{branch}: the frozen {name} role changed")
-        state = {
-            "identity": self.identity,
-            "learned": {name: {n: t.detach().clone() for n, t in learned_state(role).items()}
-                        for name, role in self.roles.items()},
-            "optimizers": {name: o.state_dict() for name, o in self.optimizers.items()},
-            "generators": {name: g.get_state() for name, g in self.generators.items()},
-            "rng": rng_state(next(iter(self.roles.values())).device),
-            "updates": updates,
-            "scheduler": self.position(updates),
-            "progress": progress,
-        }
-        return self.branch.save(state)
+        return self.branch.save(self.state(updates, progress))
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr: float, loss: torch.Tensor,

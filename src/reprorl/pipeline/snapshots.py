@@ -8,6 +8,7 @@ measures them. Kept apart from the measurement so that editing it re-runs no tra
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 from reprorl.core.layout import numbered
@@ -46,7 +47,9 @@ def found(folder: Path) -> list[Path]:
 
 def keep(model, folder: Path, step: int, base_path: str) -> None:
     """The model's adapters as they are now (after iteration or step `step`), in PEFT format,
-    into a straight run's scratch snapshot folder."""
+    into a straight run's scratch snapshot folder (replacing the same step's from a killed
+    attempt of the same job, which a rerun writes again from its last checkpoint)."""
+    shutil.rmtree(folder / snapshot_name(step), ignore_errors=True)
     lora.export_peft(model, folder / snapshot_name(step), base_path, LORA_RANK, LORA_ALPHA)
 
 

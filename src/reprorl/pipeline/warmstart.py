@@ -133,7 +133,7 @@ def identity(config: dict, branch: str, role) -> dict:
     }
 
 
-def train(config: dict, branch: str, mode: str, log=print) -> dict:
+def train(config: dict, branch: str, mode: str, checkpoint_every=None, log=print) -> dict:
     branch_run = Branch(branch, mode)
     settings = config[branch]
     seed_everything(settings["seed"])
@@ -152,18 +152,22 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
         step, total, settings["learning_rate"], settings["warmup_ratio"],
         settings["final_lr_ratio"])
     run = ResumableRun(branch_run, identity(config, branch, role), {ROLE[branch]: role},
-                       {ROLE[branch]: optimizer}, {"sampler": sampler}, schedule)
-    updates, progress_ = 0, {"epoch": 0, "history": [], "validation_history": []}
-    if branch_run.resumes:
-        updates, progress_ = run.resume()
+                       {ROLE[branch]: optimizer}, {"sampler": sampler}, schedule,
+                       checkpoint_every)
+    # the loop's position: an epoch's order and offset are kept, so a checkpoint may fall
+    # between two updates of an epoch; at an epoch's end both are empty again
+    updates, progress_ = run.resume() or (
+        0, {"epoch": 0, "order": [], "offset": 0, "history": [], "validation_history": []})
     history, validation_history = progress_["history"], progress_["validation_history"]
     stop = branch_run.stop(INTERRUPT_AFTER_EPOCHS, EPOCHS[branch])
     pad_id, tokens_seen = tokenizer.pad_token_id, 0
     started = time.perf_counter()
     bar = progress(total, f"{branch} {mode}", initial=updates)
     for epoch in range(progress_["epoch"], stop):
-        order = torch.randperm(len(items), generator=sampler).tolist()
-        for offset in range(0, len(items), EXAMPLES_PER_UPDATE):
+        if not progress_["order"]:
+            progress_["order"] = torch.randperm(len(items), generator=sampler).tolist()
+        order = progress_["order"]
+        for offset in range(progress_["offset"], len(items), EXAMPLES_PER_UPDATE):
             batch = [items[i] for i in order[offset : offset + EXAMPLES_PER_UPDATE]]
             lr = schedule(updates)
             optimizer.zero_grad(set_to_none=True)
@@ -176,14 +180,16 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
             history.append({"epoch": epoch + 1, "update": updates, "lr": lr,
                             "loss": float(loss.detach()), "grad_norm": norm,
                             "items": [examples_of(item)[0].name for item in batch], **stats})
+            progress_["offset"] = offset + EXAMPLES_PER_UPDATE
+            run.reached(updates, progress_)
         validation_history.append({"epoch": epoch + 1,
                                    **validate(role, branch, validation, pad_id)})
+        progress_ |= {"epoch": epoch + 1, "order": [], "offset": 0}
         log(f"{branch} {mode}: epoch {epoch + 1}/{EPOCHS[branch]}, {updates}/{total} updates, "
             f"loss {history[-1]['loss']:.4f}, validation {validation_history[-1]}")
     bar.close()
     seconds = time.perf_counter() - started
-    storage = run.save(updates, {"epoch": stop, "history": history,
-                                 "validation_history": validation_history})
+    storage = run.save(updates, progress_)
     report = {
         "branch": branch, "mode": mode, "epochs_completed": stop, "updates": updates,
         "total_updates": total, "history": history, "validation_history": validation_history,
@@ -191,18 +197,19 @@ def train(config: dict, branch: str, mode: str, log=print) -> dict:
         "learned_identity": roles.learned_identity(role),
         "frozen_identity": run.identity["frozen_base"], "checkpoint": storage,
     }
-    costs = {"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
-             "tokens_per_second": tokens_seen / seconds if seconds else None}
     # costs vary run to run: they go to the manifest's run section, not into this file
     branch_run.report(report)
     branch_run.export(run.identity, config, {branch: role})
+    costs = {"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
+             "tokens_per_second": tokens_seen / seconds if seconds else None,
+             "in_rule_checkpoints": run.checkpoints.finish()}
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     branch, _, mode = name.partition("_")
     Branch(branch, mode).refuse_to_overwrite()
-    summary = train(config, branch, mode, log)
+    summary = train(config, branch, mode, run.checkpoint_every, log)
     costs = summary.pop("costs")
     run.finish(summary=summary, run_info=costs)
     return summary

@@ -1,0 +1,123 @@
+"""In-rule checkpoints: a training stage that a cluster stops keeps its work.
+
+Every `checkpoint_every` a training stage writes its resume state (the format and the code of
+the DAG's interrupt states, `pipeline/resumable.py`) to a scratch folder outside its declared
+outputs, `layout.stage_scratch(stage, key)`, the key a hash of the stage's identity (config,
+inputs, code, initial tensors): a rerun of the same job finds it, a changed job never does. A
+rerun continues from it and ends with the bytes of an uninterrupted run; once the stage's
+outputs are complete, its scratch folders go. SIGTERM (a SLURM time limit or preemption) and
+SIGUSR1 (`sbatch --signal=B:USR1@<s>`) ask for a checkpoint at the next safe point, after
+which the stage exits with 128 + the signal's number, a failure Snakemake retries. A SIGKILL
+loses the work since the last checkpoint; a checkpoint is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import time
+from collections.abc import Callable
+
+from . import layout
+from .errors import Preempted, ReproError
+from .manifest import sha256_json
+from .state import first_difference, load_state, save_state
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_EVERY = "60s"  # the schema's default too
+STATE, WORK = "state.pt.gz", "work.log"
+_asked: list[int] = []  # the signals received, in order (a handler only records)
+
+
+def parse_every(value: int | str | None) -> tuple[str, float]:
+    """`checkpoint_every`: a whole number of the stage's steps (updates, iterations), a number
+    of seconds written `<n>s`, or 0 for none (signals still checkpoint); None, the default."""
+    value = DEFAULT_EVERY if value is None else value
+    if str(value).isdigit():
+        return "steps", int(value)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)s", str(value))
+    if not match:
+        raise ReproError(f"checkpoint_every {value!r} is neither a number of steps nor seconds "
+                         "written like '60s'; set it to one of those (0 for none)")
+    return "seconds", float(match.group(1))
+
+
+def _ask(signum, frame) -> None:
+    _asked.append(signum)
+
+
+class Checkpoints:
+    """One training stage's in-rule checkpoints; `reached` at each safe point, `finish` at the
+    end. Each step's work is logged beside them, so the finished stage reports what every
+    attempt computed (`finish`)."""
+
+    def __init__(self, stage: str, identity: dict, every: int | str | None = None):
+        self.stage, self.identity = stage, identity
+        self.unit, self.every = parse_every(every)
+        self.folder = layout.stage_scratch(stage, sha256_json(identity)[:16])
+        self.last_time, self.started_at = time.monotonic(), 0
+        self.written, self.writing_s = 0, 0.0  # this attempt's checkpoints, their cost
+        _asked.clear()
+        self.handlers = {signum: signal.signal(signum, _ask) for signum in SIGNALS}
+
+    def latest(self) -> dict | None:
+        """The latest complete checkpoint of this very job, or None; it is scratch, not an
+        input (the manifest of a resumed run is an uninterrupted run's)."""
+        path = self.folder / STATE
+        if not path.exists():
+            return None
+        state = load_state(path, record=False)
+        difference = first_difference(state["identity"], self.identity, "identity")
+        if difference:  # the key is the identity's hash: only a collision or an edit gets here
+            raise ReproError(f"{path} is not this stage's checkpoint ({difference}); delete it")
+        return state
+
+    def start(self, step: int) -> None:
+        """The run starts (or continues) at `step`."""
+        self.started_at = step
+        self._log(f"start {step}")
+
+    def reached(self, step: int, state: Callable[[], dict]) -> None:
+        """A safe point after `step` steps: a checkpoint when one is due or a signal asked,
+        then, if one did, stop."""
+        self._log(str(step))
+        now = time.monotonic()
+        due = (self.every and (step % self.every == 0 if self.unit == "steps"
+                               else now - self.last_time >= self.every))
+        if due or _asked:
+            save_state(self.folder / STATE, state())
+            self.last_time = time.monotonic()
+            self.written += 1
+            self.writing_s += self.last_time - now
+        if _asked:
+            name = signal.Signals(_asked[0]).name
+            self._log(f"stop {step} {name}")
+            raise Preempted(_asked[0], f"{self.stage}: {name} received; checkpoint written "
+                                       f"after step {step} in {self.folder}, which a rerun of "
+                                       "the same job continues from")
+
+    def discard(self) -> None:
+        """No rerun may continue from here on (files kept beside the checkpoints are about to
+        move to their final places): a kill now restarts the stage."""
+        (self.folder / STATE).unlink(missing_ok=True)
+
+    def finish(self) -> dict:
+        """The outputs are complete: every scratch folder of this stage goes, and what every
+        attempt computed comes back (for the manifest's run section)."""
+        work = self.folder / WORK
+        lines = work.read_text().splitlines() if work.exists() else []
+        record = {"attempts": sum(line.startswith("start") for line in lines),
+                  "steps_computed": sum(line.isdigit() for line in lines),
+                  "continued_from_step": self.started_at,
+                  "written": self.written, "writing_seconds": round(self.writing_s, 3)}
+        for folder in layout.STAGE_SCRATCH.glob(f"{self.stage}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+        return record
+
+    def _log(self, line: str) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / WORK, "a") as log:
+            log.write(line + "\n")

@@ -1,0 +1,69 @@
+"""In-rule checkpoints (`core/preempt.py`): cadence, signals, the work record, clean-up.
+
+The stages themselves are stopped and continued for real in tests/test_crash.py."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from reprorl.core import layout
+from reprorl.core.errors import Preempted, ReproError
+from reprorl.core.preempt import Checkpoints, parse_every
+from reprorl.core.state import first_difference
+
+
+def test_checkpoint_every_is_steps_or_seconds():
+    assert parse_every(5) == ("steps", 5) and parse_every("5") == ("steps", 5)
+    assert parse_every("2.5s") == ("seconds", 2.5) and parse_every(None) == ("seconds", 60.0)
+    with pytest.raises(ReproError, match="checkpoint_every '5m' is neither"):
+        parse_every("5m")
+
+
+def state_at(step: int) -> dict:
+    return {"identity": {"run": 1}, "learned": {"w": torch.full((3,), float(step))},
+            "updates": step}
+
+
+def test_a_rerun_finds_the_latest_checkpoint_and_a_changed_job_none(in_tmp):
+    first = Checkpoints("sft_continuous", {"run": 1}, every=2)
+    first.start(0)
+    for step in range(1, 6):
+        first.reached(step, lambda step=step: state_at(step))
+    again = Checkpoints("sft_continuous", {"run": 1}, every=2)
+    assert first_difference(again.latest(), state_at(4)) is None  # steps 2 and 4, not 5
+    assert Checkpoints("sft_continuous", {"run": 2}, every=2).latest() is None
+    again.start(4)
+    again.reached(5, lambda: state_at(5))
+    work = again.finish()
+    assert work["attempts"] == 2 and work["steps_computed"] == 6 and work["written"] == 0
+    assert work["continued_from_step"] == 4
+    assert not list(layout.STAGE_SCRATCH.glob("*"))  # every folder of the stage, the other too
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_writes_a_checkpoint_then_stops_the_stage(in_tmp, signum):
+    before = signal.getsignal(signum)
+    checkpoints = Checkpoints("ppo_resume", {"run": 1}, every=0)  # none but on a signal
+    checkpoints.start(0)
+    checkpoints.reached(1, lambda: state_at(1))
+    assert checkpoints.latest() is None
+    os.kill(os.getpid(), signum)  # recorded by the handler; the step goes on
+    with pytest.raises(Preempted, match=f"{signum.name} received; checkpoint written after "
+                                        "step 2") as stopped:
+        checkpoints.reached(2, lambda: state_at(2))
+    assert stopped.value.status == 128 + signum
+    assert first_difference(checkpoints.latest(), state_at(2)) is None
+    checkpoints.finish()
+    assert signal.getsignal(signum) is before
+
+
+def test_seconds_cadence_writes_when_the_time_has_passed(in_tmp, monkeypatch):
+    clock = iter([0.0, 1.0, 3.5, 3.6, 4.0])
+    monkeypatch.setattr("reprorl.core.preempt.time.monotonic", lambda: next(clock))
+    checkpoints = Checkpoints("base_model", {"run": 1}, every="3s")
+    for step in (1, 2, 3):
+        checkpoints.reached(step, lambda step=step: state_at(step))
+    assert first_difference(checkpoints.latest(), state_at(2)) is None
+    checkpoints.finish()
