@@ -35,7 +35,17 @@ try:
     config.update(validate(config))
 except ConfigError as error:
     raise WorkflowError(str(error)) from None
-os.environ[CHECKPOINT_EVERY_ENV] = str(config["checkpoint_every"])  # every job inherits it
+# every job inherits it
+os.environ[CHECKPOINT_EVERY_ENV] = str(config["checkpoint_every"])
+
+
+onsuccess:
+    # a run ended well: the in-rule checkpoints of every complete stage go (core/preempt.py,
+    # imported here: it brings in torch, which parsing the workflow does without)
+    from reprorl.core.preempt import clear
+
+    for done in layout.MANIFESTS.glob("*.json"):
+        clear(done.stem)
 
 
 # What `snakemake --report report.html` shows: (stage, output name) -> (caption, category).

@@ -10,7 +10,7 @@ import torch
 
 from reprorl.core import layout
 from reprorl.core.errors import Preempted, ReproError
-from reprorl.core.preempt import Checkpoints, parse_every
+from reprorl.core.preempt import Checkpoints, clear, parse_every
 from reprorl.core.state import first_difference
 
 
@@ -36,10 +36,12 @@ def test_a_rerun_finds_the_latest_checkpoint_and_a_changed_job_none(in_tmp):
     assert Checkpoints("sft_continuous", {"run": 2}, every=2).latest() is None
     again.start(4)
     again.reached(5, lambda: state_at(5))
-    work = again.finish()
-    assert work["attempts"] == 2 and work["steps_computed"] == 6 and work["written"] == 0
+    work = again.finish(lambda: state_at(5))  # the final state is kept as the last checkpoint
+    assert work["attempts"] == 2 and work["steps_computed"] == 6 and work["written"] == 1
     assert work["continued_from_step"] == 4
-    assert not list(layout.STAGE_SCRATCH.glob("*"))  # every folder of the stage, the other too
+    assert first_difference(again.latest(), state_at(5)) is None
+    clear("sft_continuous")  # a Snakemake run that ended well: every folder of the stage goes
+    assert not list(layout.STAGE_SCRATCH.glob("*"))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
@@ -60,7 +62,7 @@ def test_a_signal_writes_a_checkpoint_then_stops_the_stage(in_tmp, signum):
 
 
 def test_seconds_cadence_writes_when_the_time_has_passed(in_tmp, monkeypatch):
-    clock = iter([0.0, 1.0, 3.5, 3.6, 4.0])
+    clock = iter([0.0, 1.0, 3.5, 3.5, 3.6, 4.0])
     monkeypatch.setattr("reprorl.core.preempt.time.monotonic", lambda: next(clock))
     checkpoints = Checkpoints("base_model", {"run": 1}, every="3s")
     for step in (1, 2, 3):

@@ -11,6 +11,8 @@ it starts inside each job, and that is where srun looks next.
 prepare -> base_model -> sft_{interrupt,continuous,resume} -> sft_resume_check as SLURM jobs in a
 copy of the workflow, and the same target runs locally (--cores 2) in a second copy: every file
 named by every manifest must have the same sha256 in both, and the resume check must say PASS.
+A second test gives a long pretraining a 1-minute time limit: through the profile's retries and
+its in-rule checkpoints it must end with the base model of a local uninterrupted run.
 
 Only what the local test needs is on the command line, not in the profile: the status command
 (squeue, since sacct has no accounting to ask) and a short delay before the first status check.
@@ -355,3 +357,46 @@ def test_profile_names_only_rules_of_the_workflow(workflow_copy):
     assert training | generation <= set(profile["set-resources"])
     for resources in profile["set-resources"].values():
         assert {"runtime", "mem_mb", "cpus_per_task"} <= set(resources), resources
+
+
+# A stage given less time than it needs: the base model's pretraining made long enough (about
+# 130 s of steps on 2 cores here) to outrun a 1-minute limit, which slurmctld enforces within
+# about 30 s of its end (SIGTERM, then SIGKILL after KillWait).
+LONG_STEPS = 3000
+LONGER = ("--config", f"model={{pretrain: {{steps: {LONG_STEPS}}}}}")
+STAGE = "outputs/manifests/base_model.json"
+
+
+def test_a_stage_past_its_time_limit_finishes_through_retries(slurm_cluster, tmp_path):
+    """Each attempt ends at its limit and the profile's `retries` resubmits it; the next
+    continues from the in-rule checkpoint, and the base model is a local uninterrupted run's."""
+    on_slurm = copy_workflow(tmp_path / "slurm" / "wf")
+    local = copy_workflow(tmp_path / "local" / "wf")
+    env = dict(slurm_cluster["env"], PYTHONPATH=str(on_slurm / "src"),
+               PYTHONDONTWRITEBYTECODE="1")
+    for name in [k for k in env if k.startswith(("SLURM_JOB", "SBATCH_", "SRUN_"))]:
+        del env[name]
+    command = [sys.executable, "-m", "snakemake", "--profile", PROFILE, STAGE,
+               "--set-resources", "base_model:runtime=1", *LOCAL_TEST_FLAGS, *LONGER,
+               "--configfile", "configs/ci.yaml"]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=on_slurm, env=env, capture_output=True, text=True,
+                            timeout=1800, check=False)
+    slurm_seconds = time.monotonic() - started
+    slurm_logs = sorted((on_slurm / ".snakemake/slurm_logs/rule_base_model").glob("*.log"))
+    assert result.returncode == 0, result.stderr[-5000:] + "\n".join(
+        log.read_text()[-2000:] for log in slurm_logs)
+    # an attempt may also end its steps as its limit strikes: counted failed (TIMEOUT), its
+    # next attempt continues from the final state, kept as the last checkpoint
+    limited = [log for log in slurm_logs if "DUE TO TIME LIMIT" in log.read_text()]
+    assert limited and len(slurm_logs) >= 2, [log.name for log in slurm_logs]
+    work = read_json(on_slurm / STAGE)["run"]["in_rule_checkpoints"]
+    # an attempt its limit ends before the stage starts logs no start
+    assert 1 < work["attempts"] <= len(slurm_logs) and work["steps_computed"] < 2 * LONG_STEPS
+    snakemake(local, STAGE, *LONGER, "--configfile", "configs/ci.yaml", timeout=1800)
+    hashed = read_json(on_slurm / STAGE)["hashed"]
+    assert hashed == read_json(local / STAGE)["hashed"]
+    for path, digest in hashed["outputs"].items():
+        assert sha256_file(on_slurm / path) == digest == sha256_file(local / path), path
+    print(f"\nbase model of {LONG_STEPS} steps under a 1-minute limit: {len(slurm_logs)} SLURM "
+          f"jobs in {slurm_seconds:.0f} s, {work['steps_computed']} steps computed")

@@ -4,11 +4,12 @@ Every `checkpoint_every` a training stage writes its resume state (the format an
 the DAG's interrupt states, `pipeline/resumable.py`) to a scratch folder outside its declared
 outputs, `layout.stage_scratch(stage, key)`, the key a hash of the stage's identity (config,
 inputs, code, initial tensors): a rerun of the same job finds it, a changed job never does. A
-rerun continues from it and ends with the bytes of an uninterrupted run; once the stage's
-outputs are complete, its scratch folders go. SIGTERM (a SLURM time limit or preemption) and
-SIGUSR1 (`sbatch --signal=B:USR1@<s>`) ask for a checkpoint at the next safe point, after
-which the stage exits with 128 + the signal's number, a failure Snakemake retries. A SIGKILL
-loses the work since the last checkpoint; a checkpoint is written whole or not at all.
+rerun continues from it and ends with the bytes of an uninterrupted run; the final state is
+kept too, and the scratch goes when a Snakemake run ends well. SIGTERM (a SLURM time limit or
+preemption) and SIGUSR1 (`sbatch --signal=USR1@<s>`) ask for a checkpoint at the next safe
+point, after which the stage exits with 128 + the signal's number, a failure Snakemake
+retries. A SIGKILL loses the work since the last checkpoint; a checkpoint is written whole or
+not at all.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ class Checkpoints:
     end. Each step's work is logged beside them, so the finished stage reports what every
     attempt computed (`finish`)."""
 
-    def __init__(self, stage: str, identity: dict, every: int | str | None = None):
+    def __init__(self, stage: str, identity: dict, every: int | str | None = None,
+                 inputs: dict | None = None):
+        """`inputs`: what else the job starts from (a resume's interrupt state), in the key."""
         self.stage, self.identity = stage, identity
         self.unit, self.every = parse_every(every)
-        self.folder = layout.stage_scratch(stage, sha256_json(identity)[:16])
+        key = sha256_json({"identity": identity, "inputs": inputs or {}})
+        self.folder = layout.stage_scratch(stage, key[:16])
         self.last_time, self.started_at = time.monotonic(), 0
         self.written, self.writing_s = 0, 0.0  # this attempt's checkpoints, their cost
         _asked.clear()
@@ -86,10 +90,7 @@ class Checkpoints:
         due = (self.every and (step % self.every == 0 if self.unit == "steps"
                                else now - self.last_time >= self.every))
         if due or _asked:
-            save_state(self.folder / STATE, state())
-            self.last_time = time.monotonic()
-            self.written += 1
-            self.writing_s += self.last_time - now
+            self.write(state)
         if _asked:
             name = signal.Signals(_asked[0]).name
             self._log(f"stop {step} {name}")
@@ -97,22 +98,28 @@ class Checkpoints:
                                        f"after step {step} in {self.folder}, which a rerun of "
                                        "the same job continues from")
 
-    def discard(self) -> None:
-        """No rerun may continue from here on (files kept beside the checkpoints are about to
-        move to their final places): a kill now restarts the stage."""
-        (self.folder / STATE).unlink(missing_ok=True)
+    def write(self, state: Callable[[], dict]) -> None:
+        """A checkpoint now."""
+        started = time.monotonic()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        save_state(self.folder / STATE, state())
+        self.last_time = time.monotonic()
+        self.written += 1
+        self.writing_s += self.last_time - started
 
-    def finish(self) -> dict:
-        """The outputs are complete: every scratch folder of this stage goes, and what every
-        attempt computed comes back (for the manifest's run section)."""
+    def finish(self, state: Callable[[], dict] | None = None) -> dict:
+        """The outputs are written: the final state is kept as the last checkpoint (a job whose
+        end is lost, killed by its time limit while Snakemake wraps it up, reruns in seconds),
+        and what every attempt computed comes back, for the manifest's run section. The
+        scratch goes when a Snakemake run ends well (`onsuccess`, rules/common.smk)."""
+        if state is not None:
+            self.write(state)
         work = self.folder / WORK
         lines = work.read_text().splitlines() if work.exists() else []
         record = {"attempts": sum(line.startswith("start") for line in lines),
                   "steps_computed": sum(line.isdigit() for line in lines),
                   "continued_from_step": self.started_at,
                   "written": self.written, "writing_seconds": round(self.writing_s, 3)}
-        for folder in layout.STAGE_SCRATCH.glob(f"{self.stage}-*"):
-            shutil.rmtree(folder, ignore_errors=True)
         for signum, handler in self.handlers.items():
             signal.signal(signum, handler)
         return record
@@ -121,3 +128,9 @@ class Checkpoints:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / WORK, "a") as log:
             log.write(line + "\n")
+
+
+def clear(stage: str) -> None:
+    """Every scratch folder of `stage` (its outputs are complete)."""
+    for folder in layout.STAGE_SCRATCH.glob(f"{stage}-*"):
+        shutil.rmtree(folder, ignore_errors=True)

@@ -189,6 +189,8 @@ def pretrain(model, tokenizer, texts: list[str], settings: dict,
                 f"lr {lr:.2e} {time.perf_counter() - started:.0f}s")
         if checkpoints:
             checkpoints.reached(step + 1, state)
+    if checkpoints:  # kept: a job whose end is lost reruns from here (`preempt.py`)
+        checkpoints.write(state)
     bar.close()
     model.eval()
     return curve

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import shutil
 import time
 
 import torch
@@ -30,9 +31,9 @@ from reprorl.core import devices, layout, numerics
 from reprorl.core.codehash import code_hash
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import (
+    atomic_directory,
     hash_paths,
     peak_rss_mb,
-    publish_directory,
     read_json,
     record_read,
     write_json,
@@ -301,13 +302,14 @@ def train(config: dict, mode: str, checkpoint_every=None, log=print) -> dict:
     bar.close()
     seconds = time.perf_counter() - started
     storage = run.save(updates, state)
-    run.checkpoints.discard()
-    publish_directory(rollout_dir, layout.rollouts(mode))
-    if keep_at:
-        publish_directory(snapshot_dir, layout.snapshots("ppo"))
+    # copied, not moved: a rerun from the final checkpoint (a job whose end was lost) needs them
+    for scratch, path in ((rollout_dir, layout.rollouts(mode)),
+                          *([(snapshot_dir, layout.snapshots("ppo"))] if keep_at else [])):
+        with atomic_directory(path) as folder:
+            shutil.copytree(scratch, folder, dirs_exist_ok=True)
     final = {name: roles.learned_identity(role) for name, role in roles_.items()}
     costs = {"seconds": seconds, "phase_seconds": timer.seconds, "peak_rss_mb": peak_rss_mb(),
-             "in_rule_checkpoints": run.checkpoints.finish()}
+             "in_rule_checkpoints": run.checkpoints.finish(lambda: run.state(updates, state))}
     report = {"mode": mode, "iterations": state["iteration"], "updates_per_optimizer": updates,
               "history": state["history"], "final_learned": final, "roles_initial": initial,
               "checkpoint": storage,

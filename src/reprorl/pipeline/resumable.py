@@ -103,8 +103,10 @@ class ResumableRun:
         self.optimizers, self.generators, self.schedule = optimizers, generators, schedule
         self.initial = {name: (learned_identity(role), frozen_identity(role))
                         for name, role in roles.items()}
-        self.checkpoints = Checkpoints(f"{branch.name}_{branch.mode}", identity,
-                                       checkpoint_every)
+        start = layout.state(branch.name, "interrupt")  # a resume's other input
+        self.checkpoints = Checkpoints(
+            f"{branch.name}_{branch.mode}", identity, checkpoint_every,
+            {"interrupt_state": sha256_file(start)} if branch.resumes and start.exists() else None)
         self.step_key = step_key  # the progress entry counting the stage's steps (else updates)
 
     def position(self, updates: int) -> dict:
