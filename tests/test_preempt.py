@@ -36,7 +36,8 @@ def test_a_rerun_finds_the_latest_checkpoint_and_a_changed_job_none(in_tmp):
     assert Checkpoints("sft_continuous", {"run": 2}, every=2).latest() is None
     again.start(4)
     again.reached(5, lambda: state_at(5))
-    work = again.finish(lambda: state_at(5))  # the final state is kept as the last checkpoint
+    again.write(lambda: state_at(5))  # the final state, kept as the last checkpoint
+    work = again.finish()
     assert work["attempts"] == 2 and work["steps_computed"] == 6 and work["written"] == 1
     assert work["continued_from_step"] == 4
     assert first_difference(again.latest(), state_at(5)) is None

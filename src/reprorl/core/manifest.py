@@ -186,31 +186,26 @@ def atomic_directory(path: str | os.PathLike) -> Iterator[Path]:
     scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield scratch
-        publish_directory(scratch, path)
+        if path.exists():
+            # Snakemake pre-creates the parent folders of declared outputs: an empty tree is
+            # replaced, anything holding a file is not.
+            if files_under(path):
+                raise PreservedArtifactError(f"{path} holds files already; it was not replaced")
+            shutil.rmtree(path)
+        for file in files_under(scratch):  # libraries writing into scratch may use mkstemp too
+            os.chmod(file, 0o666 & ~_UMASK)
+            fsync_path(file)  # nor do they fsync: the folder must not arrive with empty files
+        for folder in (*sorted(p for p in scratch.rglob("*") if p.is_dir()), scratch):
+            fsync_path(folder)
+        os.chmod(scratch, 0o777 & ~_UMASK)
+        os.replace(scratch, path)
+        fsync_path(path.parent)
     finally:
         if scratch.exists():
             shutil.rmtree(scratch)
 
 
-def publish_directory(scratch: str | os.PathLike, path: str | os.PathLike) -> None:
-    """Move the finished folder `scratch` to `path` in one rename (the same filesystem), every
-    file in it synced first."""
-    scratch, path = Path(scratch), Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists():
-        # Snakemake pre-creates the parent folders of declared outputs: an empty tree is
-        # replaced, anything holding a file is not.
-        if files_under(path):
-            raise PreservedArtifactError(f"{path} holds files already; it was not replaced")
-        shutil.rmtree(path)
-    for file in files_under(scratch):  # libraries writing into scratch may use mkstemp too
-        os.chmod(file, 0o666 & ~_UMASK)
-        fsync_path(file)  # nor do they fsync: the folder must not arrive with empty files
-    for folder in (*sorted(p for p in scratch.rglob("*") if p.is_dir()), scratch):
-        fsync_path(folder)
-    os.chmod(scratch, 0o777 & ~_UMASK)
-    os.replace(scratch, path)
-    fsync_path(path.parent)
+# ---------------------------------------------------------------- stage manifests
 
 
 def library_versions() -> dict[str, str]:

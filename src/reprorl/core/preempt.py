@@ -19,10 +19,11 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from . import layout
 from .errors import Preempted, ReproError
-from .manifest import sha256_json
+from .manifest import atomic_write_bytes, sha256_json
 from .state import first_difference, load_state, save_state
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -107,13 +108,17 @@ class Checkpoints:
         self.written += 1
         self.writing_s += self.last_time - started
 
-    def finish(self, state: Callable[[], dict] | None = None) -> dict:
-        """The outputs are written: the final state is kept as the last checkpoint (a job whose
-        end is lost, killed by its time limit while Snakemake wraps it up, reruns in seconds),
-        and what every attempt computed comes back, for the manifest's run section. The
-        scratch goes when a Snakemake run ends well (`onsuccess`, rules/common.smk)."""
-        if state is not None:
-            self.write(state)
+    def keep(self, saved: Path) -> None:
+        """The run's final state, just saved at `saved`, as the last checkpoint: the same
+        bytes, copied rather than built and packed again."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.folder / STATE, saved.read_bytes())
+
+    def finish(self) -> dict:
+        """The outputs are written: what every attempt computed, for the manifest's run
+        section. The last checkpoint stays (`keep`: a job whose end is lost, killed by its
+        time limit while Snakemake wraps it up, reruns in seconds); the scratch goes when a
+        Snakemake run ends well (`onsuccess`, rules/common.smk)."""
         work = self.folder / WORK
         lines = work.read_text().splitlines() if work.exists() else []
         record = {"attempts": sum(line.startswith("start") for line in lines),

@@ -309,7 +309,7 @@ def train(config: dict, mode: str, checkpoint_every=None, log=print) -> dict:
             shutil.copytree(scratch, folder, dirs_exist_ok=True)
     final = {name: roles.learned_identity(role) for name, role in roles_.items()}
     costs = {"seconds": seconds, "phase_seconds": timer.seconds, "peak_rss_mb": peak_rss_mb(),
-             "in_rule_checkpoints": run.checkpoints.finish(lambda: run.state(updates, state))}
+             "in_rule_checkpoints": run.checkpoints.finish()}
     report = {"mode": mode, "iterations": state["iteration"], "updates_per_optimizer": updates,
               "history": state["history"], "final_learned": final, "roles_initial": initial,
               "checkpoint": storage,

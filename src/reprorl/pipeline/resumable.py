@@ -169,7 +169,10 @@ class ResumableRun:
                 raise ReproError(f"{branch}: training did not change the {name}")
             if name not in self.optimizers and moved:
                 raise ReproError(f"{branch}: the frozen {name} role changed")
-        return self.branch.save(self.state(updates, progress))
+        storage = self.branch.save(self.state(updates, progress))
+        # kept as the last in-rule checkpoint: a job whose end is lost reruns from here
+        self.checkpoints.keep(layout.state(*self.branch))
+        return storage
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, lr: float, loss: torch.Tensor,

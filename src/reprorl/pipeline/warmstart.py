@@ -202,8 +202,7 @@ def train(config: dict, branch: str, mode: str, checkpoint_every=None, log=print
     branch_run.export(run.identity, config, {branch: role})
     costs = {"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
              "tokens_per_second": tokens_seen / seconds if seconds else None,
-             "in_rule_checkpoints": run.checkpoints.finish(
-                 lambda: run.state(updates, progress_))}
+             "in_rule_checkpoints": run.checkpoints.finish()}
     return {k: v for k, v in report.items() if k not in ("history",)} | {"costs": costs}
 
 
