@@ -1,6 +1,11 @@
 """What in-rule checkpoints cost and what a kill loses, on one default-profile stage.
 
     python benchmarks/preempt.py --from <a finished default run's folder> [--stage ppo_continuous]
+    python benchmarks/preempt.py --dag <a finished default run's folder>
+
+`--dag` reads the run's manifests: each training stage's seconds spent writing in-rule
+checkpoints (`in_rule_checkpoints.writing_seconds`) against every stage's wall seconds, the
+checkpoints' share of the whole DAG's work; last one JSON line.
 
 In a scratch folder holding this checkout's code and the run's files the stage's command runs,
 alternating: with no in-rule checkpoint (`--checkpoint-every 0`) and with the default (`60s`),
@@ -60,12 +65,37 @@ def run(workdir: Path, stage: str, every: str, stop_after: float | None = None,
     return time.perf_counter() - started, status
 
 
+def dag(folder: Path) -> None:
+    """The in-rule checkpoints' share of a finished run's stage time, stage by stage."""
+    rows, total, writing = [], 0.0, 0.0
+    for manifest in sorted((folder / layout.MANIFESTS).glob("*.json")):
+        run = read_json(manifest)["run"]
+        total += run["wall_seconds"]
+        work = run.get("in_rule_checkpoints")
+        if work is None:
+            continue
+        writing += work["writing_seconds"]
+        rows.append({"stage": manifest.stem, "wall_s": round(run["wall_seconds"], 1),
+                     "written": work["written"], "writing_s": work["writing_seconds"]})
+        print(f"{manifest.stem:28} {run['wall_seconds']:8.1f} s  {work['written']:3} "
+              f"checkpoints  {work['writing_seconds']:6.2f} s writing", flush=True)
+    print(json.dumps({"stages": rows, "training_stages": len(rows),
+                      "stage_wall_seconds": round(total, 1),
+                      "writing_seconds": round(writing, 3),
+                      "overhead_share": round(writing / total, 5)}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--from", dest="origin", required=True, type=Path)
+    parser.add_argument("--from", dest="origin", type=Path)
+    parser.add_argument("--dag", type=Path, help="a finished default run's folder")
     parser.add_argument("--stage", default="ppo_continuous")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/reprorl-preempt"))
     args = parser.parse_args()
+    if args.dag is not None:
+        return dag(args.dag)
+    if args.origin is None:
+        parser.error("give --from <a finished default run's folder>, or --dag <one>")
     workdir, stage = args.workdir, args.stage
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)

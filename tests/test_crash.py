@@ -11,11 +11,11 @@ reference's (no partial artifact is ever visible), and after `snakemake --unlock
 GRPO is held to the same rule: on its fixed schedule a run replays bit for bit.
 The kill points of every stage are printed in pytest's terminal summary.
 
-In-rule checkpoints (`core/preempt.py`): each non-GRPO stage under test is stopped several
-times in one working folder, by SIGTERM (what SLURM sends every process of a job at its time
-limit) and by SIGKILL, each at a random step, each stop followed by `--rerun-incomplete`; the
-finished stage's files must be the uninterrupted run's, and all its attempts together must
-have computed fewer than twice its steps.
+In-rule checkpoints (`core/preempt.py`): each stage under test is stopped several times in one
+working folder, by SIGTERM (what SLURM sends every process of a job at its time limit: a GRPO
+run's server and worker get it too) and by SIGKILL, each at a random step, each stop followed
+by `--rerun-incomplete`; the finished stage's files must be the uninterrupted run's, and all
+its attempts together must have computed fewer than twice its steps.
 """
 
 import os
@@ -158,8 +158,7 @@ def test_sigkill_then_rerun_incomplete_equals_uninterrupted(reference, stage, tm
         assert read_json(workdir / f"outputs/manifests/{stage}.json")["hashed"] == expected
 
 
-# the stages whose in-rule checkpoints are tested (GRPO's engine keeps its own checkpoints)
-PREEMPTED = [stage for stage in STAGES if not stage.startswith("grpo")]
+PREEMPTED = STAGES  # the stages whose in-rule checkpoints are tested
 STOPS = (signal.SIGTERM, signal.SIGKILL, signal.SIGTERM, signal.SIGKILL)
 EVERY = 3  # checkpoint_every of the stopped runs, in steps (the reference ran with the default)
 

@@ -300,9 +300,6 @@ class FakeProcess:
             self.alive = False
         self.stubborn -= 1
 
-    def terminate(self):
-        self.calls.append("terminate")
-
     def kill(self):
         self.calls.append("kill")
         self.stubborn = 0
@@ -430,13 +427,14 @@ def test_the_payload_follows_the_start_and_a_worker_dying_unread_blocks_nothing(
     assert worker.process is None and worker.outbox is None
 
 
-def test_worker_stop_escalates_to_terminate_and_kill():
-    worker, signals = handle(process=FakeProcess(stubborn=2))
+def test_worker_stop_escalates_to_kill():
+    """The worker ignores SIGTERM (a cluster's signal to every process of a job: its trainer
+    stops it after a checkpoint), so a stop that is not obeyed ends in SIGKILL."""
+    worker, signals = handle(process=FakeProcess(stubborn=1))
     worker.start(target=print, args=())
     process = worker.process
     worker.stop()
-    assert signals.stop.is_set() and process.calls == ["join", "terminate", "join", "kill",
-                                                       "join"]
+    assert signals.stop.is_set() and process.calls == ["join", "kill", "join"]
     assert worker.process is None and worker.pid is None
     worker.stop()  # stopped already: nothing to do
 
@@ -450,7 +448,7 @@ def test_worker_stop_escalates_to_terminate_and_kill():
     waiting.start(target=print, args=())
     waiting.waiting, process = True, waiting.process
     waiting.stop()
-    assert process.calls == ["terminate", "join"]  # nothing to finish: no 10 s grace
+    assert process.calls == ["kill", "join"]  # nothing to finish: no 10 s grace
 
 
 def test_a_worker_that_fails_while_the_server_loads_is_reported_then():

@@ -4,13 +4,16 @@ The stages themselves are stopped and continued for real in tests/test_crash.py.
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from reprorl.core import layout
 from reprorl.core.errors import Preempted, ReproError
-from reprorl.core.preempt import Checkpoints, clear, parse_every
+from reprorl.core.preempt import Checkpoints, clear, job_signals_held, parse_every
 from reprorl.core.state import first_difference
 
 
@@ -70,3 +73,64 @@ def test_seconds_cadence_writes_when_the_time_has_passed(in_tmp, monkeypatch):
         checkpoints.reached(step, lambda step=step: state_at(step))
     assert first_difference(checkpoints.latest(), state_at(2)) is None
     checkpoints.finish()
+
+
+def test_a_signal_between_safe_points_waits_for_the_next(in_tmp):
+    """A GRPO run's safe points are its metrics windows' ends: a signal after another step
+    is answered at the next one, and a due checkpoint waits for it too."""
+    checkpoints = Checkpoints("grpo_learned_continuous", {"run": 1}, every=2)
+    checkpoints.start(0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for step in (1, 2, 3, 4):
+        checkpoints.reached(step, lambda step=step: state_at(step), safe=False)
+    assert checkpoints.latest() is None
+    with pytest.raises(Preempted, match="after step 5"):
+        checkpoints.reached(5, lambda: state_at(5), safe=True)
+    assert first_difference(checkpoints.latest(), state_at(5)) is None
+    work = checkpoints.finish()
+    assert work["written"] == 1 and work["steps_computed"] == 5
+
+
+def test_the_end_of_a_run_stops_only_if_asked(in_tmp):
+    checkpoints = Checkpoints("grpo_learned_resume", {"run": 1}, every=0)
+    checkpoints.start(3)
+    checkpoints.stop_if_asked(3, lambda: state_at(3))  # nothing asked: the run finishes
+    os.kill(os.getpid(), signal.SIGUSR1)
+    with pytest.raises(Preempted):
+        checkpoints.stop_if_asked(3, lambda: state_at(3))
+    assert checkpoints.latest() is None  # the state it started from stands for step 3
+    checkpoints.finish()
+
+
+def test_children_started_under_held_signals_ignore_them(tmp_path):
+    """A GRPO run's worker and server: started while SIGTERM and SIGUSR1 are held, they then
+    ignore them (the trainer stops them after its checkpoint); a signal that reached the
+    trainer meanwhile is delivered to it once the hold ends."""
+    script = ("import os, signal, sys, time\n"
+              "from reprorl.core.preempt import ignore_job_signals\n"
+              "time.sleep(0.5)\n"  # signals sent now are held, then discarded
+              "ignore_job_signals()\n"
+              "open(sys.argv[1], 'w').close()\n"
+              "time.sleep(30)\n")
+    ready = tmp_path / "ready"
+    received = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    try:
+        with job_signals_held():
+            child = subprocess.Popen([sys.executable, "-c", script, str(ready)])
+            os.kill(child.pid, signal.SIGTERM)  # while it starts: held in the child
+            os.kill(os.getpid(), signal.SIGUSR1)  # held here too
+            assert not received
+        assert received == [signal.SIGUSR1]
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            child.send_signal(signum)
+        time.sleep(0.3)
+        assert child.poll() is None  # ignored
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        child.kill()
+        child.wait()

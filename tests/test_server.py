@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -403,6 +404,19 @@ def test_requests_beyond_the_slots_wait_and_stop_cleanly(tiny_model, reference, 
                     + values["reprorl:engine_prefill_seconds_total"])
         assert 0 < stepping <= values["reprorl:engine_busy_seconds_total"]
         process.terminate()
+        assert process.wait(timeout=15) == 0
+
+
+def test_a_server_its_parent_stops_ignores_job_signals(tiny_model, tmp_path):
+    """`--ignore-job-signals` (how a GRPO trainer starts it): SIGTERM and SIGUSR1, which a
+    cluster sends every process of a job, leave it serving; SIGINT stops it cleanly."""
+    with running_server(tiny_model, tmp_path, "--ignore-job-signals") as (url, process):
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            process.send_signal(signum)
+        time.sleep(0.5)
+        assert process.poll() is None
+        assert requests.get(f"{url}/health", timeout=10).status_code == 200
+        process.send_signal(signal.SIGINT)
         assert process.wait(timeout=15) == 0
 
 

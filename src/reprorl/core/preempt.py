@@ -14,6 +14,7 @@ not at all.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import signal
@@ -26,6 +27,7 @@ from .errors import Preempted, ReproError
 from .manifest import atomic_write_bytes, sha256_json
 from .state import first_difference, load_state, save_state
 
+# what a cluster sends every process of a job at its time limit or on preemption
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DEFAULT_EVERY = "60s"  # the schema's default too
 STATE, WORK = "state.pt.gz", "work.log"
@@ -49,6 +51,27 @@ def _ask(signum, frame) -> None:
     _asked.append(signum)
 
 
+@contextlib.contextmanager
+def job_signals_held():
+    """SIGNALS blocked while a child process starts: the child inherits the block, so one
+    that arrives before it ignores them (`ignore_job_signals`) cannot end it; here they wait
+    and arrive once the block ends. For the children a stage stops itself once checkpointed
+    (a GRPO run's rollout worker and server)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def ignore_job_signals() -> None:
+    """In a child started under `job_signals_held`: SIGNALS ignored (its parent stops it, its
+    parent's death ends it), then unblocked, which discards any held."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
 class Checkpoints:
     """One training stage's in-rule checkpoints; `reached` at each safe point, `finish` at the
     end. Each step's work is logged beside them, so the finished stage reports what every
@@ -62,6 +85,7 @@ class Checkpoints:
         key = sha256_json({"identity": identity, "inputs": inputs or {}})
         self.folder = layout.stage_scratch(stage, key[:16])
         self.last_time, self.started_at = time.monotonic(), 0
+        self.last_step = -1  # of the newest checkpoint (the start's state counts as one)
         self.written, self.writing_s = 0, 0.0  # this attempt's checkpoints, their cost
         _asked.clear()
         self.handlers = {signum: signal.signal(signum, _ask) for signum in SIGNALS}
@@ -80,24 +104,35 @@ class Checkpoints:
 
     def start(self, step: int) -> None:
         """The run starts (or continues) at `step`."""
-        self.started_at = step
+        self.started_at = self.last_step = step
         self._log(f"start {step}")
 
-    def reached(self, step: int, state: Callable[[], dict]) -> None:
-        """A safe point after `step` steps: a checkpoint when one is due or a signal asked,
-        then, if one did, stop."""
+    def reached(self, step: int, state: Callable[[], dict], safe: bool = True) -> None:
+        """The run has computed `step` steps; at a safe point (`safe`: a GRPO run's are its
+        metrics windows' ends) a checkpoint when one is due or a signal asked, then, if one
+        did, stop."""
         self._log(str(step))
-        now = time.monotonic()
-        due = (self.every and (step % self.every == 0 if self.unit == "steps"
-                               else now - self.last_time >= self.every))
-        if due or _asked:
+        if safe:
+            due = (self.every and (step - self.last_step >= self.every if self.unit == "steps"
+                                   else time.monotonic() - self.last_time >= self.every))
+            if due:
+                self.write(state)
+                self.last_step = step
+            self.stop_if_asked(step, state)
+
+    def stop_if_asked(self, step: int, state: Callable[[], dict]) -> None:
+        """If a signal asked: a checkpoint after `step` steps (unless one was just written
+        there), then stop with `Preempted`."""
+        if not _asked:
+            return
+        if self.last_step != step:
             self.write(state)
-        if _asked:
-            name = signal.Signals(_asked[0]).name
-            self._log(f"stop {step} {name}")
-            raise Preempted(_asked[0], f"{self.stage}: {name} received; checkpoint written "
-                                       f"after step {step} in {self.folder}, which a rerun of "
-                                       "the same job continues from")
+            self.last_step = step
+        name = signal.Signals(_asked[0]).name
+        self._log(f"stop {step} {name}")
+        raise Preempted(_asked[0], f"{self.stage}: {name} received; checkpoint written after "
+                                   f"step {step} in {self.folder}, which a rerun of the same "
+                                   "job continues from")
 
     def write(self, state: Callable[[], dict]) -> None:
         """A checkpoint now."""

@@ -4,11 +4,13 @@ On rank 0 each `train()` call spawns the rollout worker (`Processes.new_worker`,
 `start`; it shares a `WorkerLink` of queues and values with the trainer), starts the embedded
 server (`embedded_server`: `reprorl serve`, run by module name) or waits for a given one
 (`Processes.serve`), and stops both however the call ends (`Processes.stop`); SIGTERM unwinds
-the call (`unwind_on_sigterm`). What the worker is given is checked first (`reward_functions`,
-`refuse_unscored`, `refuse_unpicklable`), and a trainer built while a spawn imports a script
-without a main guard is refused (`refuse_spawned_import`). The trainer reaches the processes
-only through `RolloutWorker` and `GenerationServer`, which `processes.py`'s `WorkerHandle` and
-`ServerProcess` satisfy: a test may hand `Processes` stand-ins.
+the call (`unwind_on_sigterm`) unless the caller handles it. What the worker is given is checked
+first (`reward_functions`, `refuse_unscored`, `refuse_unpicklable`), and a trainer built while a
+spawn imports a script without a main guard is refused (`refuse_spawned_import`). Both children
+ignore SIGTERM and SIGUSR1, which a cluster sends every process of a job: the trainer stops
+them. The trainer reaches the processes only through `RolloutWorker` and `GenerationServer`,
+which `processes.py`'s `WorkerHandle` and `ServerProcess` satisfy: a test may hand `Processes`
+stand-ins.
 """
 
 from __future__ import annotations
@@ -53,10 +55,13 @@ def _terminate(signum, frame):
 
 def unwind_on_sigterm():
     """Have SIGTERM raise SystemExit in this process; returns the handler it replaces, for
-    `restore_sigterm` (None off the main thread, where Python sets no handler)."""
-    if threading.current_thread() is threading.main_thread():
-        return signal.signal(signal.SIGTERM, _terminate)
-    return None
+    `restore_sigterm` (None off the main thread, where Python sets no handler, and when the
+    caller handles SIGTERM itself: the pipeline's stages checkpoint first, `core/preempt.py`)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return None
+    return signal.signal(signal.SIGTERM, _terminate)
 
 
 def restore_sigterm(previous) -> None:
@@ -204,7 +209,7 @@ def embedded_server(args, model_path: str, output_dir: Path, lora_dir: Path,
                "--max-lora-rank", str(max(lora_rank or 0, 8)),
                "--max-logprobs", str(max(args.num_sampler_logprobs, 1)),
                "--dtype", dtype, "--seed", str(args.seed),
-               "--device", args.embedded_server_device]
+               "--device", args.embedded_server_device, "--ignore-job-signals"]
     if args.trust_remote_code:
         command.append("--trust-remote-code")
     if args.embedded_server_max_model_len:

@@ -12,6 +12,7 @@ for the port file it writes once listening. The trainer starts and stops them th
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import signal
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
+
+from reprorl.core.preempt import job_signals_held
 
 PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
@@ -118,7 +121,7 @@ class WorkerHandle:
             inbox, writer = self.context.Pipe(duplex=False)
             args = (inbox, *args)
         try:
-            with gpu_hidden():
+            with gpu_hidden(), job_signals_held():
                 process = self.context.Process(target=target, args=args,
                                                name="rollout-worker", daemon=True)
                 process.start()
@@ -209,8 +212,9 @@ class WorkerHandle:
             raise RuntimeError(failure)
 
     def stop(self) -> None:
-        """Ask the worker to stop, then terminate, then kill it, 10 s apart; one still
-        waiting for its arguments has nothing to finish and is terminated at once."""
+        """Ask the worker to stop, then kill it 10 s later (it ignores SIGTERM:
+        `ignore_job_signals`); one still waiting for its arguments has nothing to finish and
+        is killed at once."""
         waiting = self.waiting
         self.close_outbox()
         process, self.process = self.process, None
@@ -220,16 +224,14 @@ class WorkerHandle:
         if not waiting:
             process.join(timeout=10)
         if process.is_alive():
-            process.terminate()
-            process.join(timeout=10)
-        if process.is_alive():
             process.kill()
             process.join()
 
 
 class ServerProcess:
-    """`command` (a `reprorl serve` writing its port to `port_file`) as a child process whose
-    output goes to `log_path`."""
+    """`command` (a `reprorl serve --ignore-job-signals` writing its port to `port_file`) as a
+    child process whose output goes to `log_path`, stopped by SIGINT, also when this process
+    dies."""
 
     def __init__(self, command: list[str], port_file: Path, log_path: Path):
         self.command, self.port_file, self.log_path = command, port_file, log_path
@@ -242,9 +244,11 @@ class ServerProcess:
         called while it loads, may raise to stop waiting (the worker failed meanwhile)."""
         self.port_file.unlink(missing_ok=True)
         self.log = open(self.log_path, "w")  # noqa: SIM115 (closed by stop)
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **(env or {})},
-                                        preexec_fn=die_with_parent)  # noqa: PLW1509 (a prctl)
+        with job_signals_held():
+            self.process = subprocess.Popen(
+                self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                preexec_fn=functools.partial(die_with_parent, signal.SIGINT))  # noqa: PLW1509
         started = time.monotonic()
         while not self.port_file.exists():
             if self.process.poll() is not None:
@@ -260,7 +264,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.process is not None:
-            self.process.terminate()
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:

@@ -16,6 +16,7 @@ import itertools
 import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -54,7 +55,12 @@ class AsyncGRPOTrainer(TrainerLifecycle):
     def _save_checkpoint(self) -> Path:
         run = self.run
         run.saved = (run.global_step, run.version.value)
-        return checkpoints.save(self.output_dir, run, self.args, self._export_policy,
+        return self.save_checkpoint_into(self.output_dir)
+
+    def save_checkpoint_into(self, folder: Path) -> Path:
+        """A checkpoint of the run as it is now, `<folder>/checkpoint-<step>`, which
+        `resume_from_checkpoint` continues (a caller's own copy: see `safe_point`)."""
+        return checkpoints.save(Path(folder), self.run, self.args, self._export_policy,
                                 self.lora_dir, self.device)
 
     # ------------------------------------------------------------ the loss
@@ -78,10 +84,15 @@ class AsyncGRPOTrainer(TrainerLifecycle):
     # ------------------------------------------------------------ training
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *,
-              interrupt_after_step: int | None = None) -> TrainOutput:
+              interrupt_after_step: int | None = None,
+              safe_point: Callable[[int, bool], None] | None = None) -> TrainOutput:
         """Train to the end of the run, or (`interrupt_after_step`) stop after that optimizer
         step and save a checkpoint there: the run's schedule and end stay those of the whole
-        run (as `max_steps` would not), so `resume_from_checkpoint` later finishes it."""
+        run (as `max_steps` would not), so `resume_from_checkpoint` later finishes it.
+        `safe_point(step, window_end)` is called after each optimizer step; at a metrics
+        window's end (`window_end`) a checkpoint (`save_checkpoint_into`) continues the run
+        with the same bytes, and an exception raised there stops it (the pipeline's
+        in-rule checkpoints, `core/preempt.py`)."""
         args = self.args
         if interrupt_after_step is not None and args.save_strategy == "no":
             raise ValueError("interrupt_after_step needs a checkpoint to resume from: "
@@ -90,7 +101,7 @@ class AsyncGRPOTrainer(TrainerLifecycle):
                         AsyncRolloutLoop.generate_one)
         self._check_picklable()
         run = self.run = self._new_run(resume_from_checkpoint)
-        run.interrupt_after_step = interrupt_after_step
+        run.interrupt_after_step, self.safe_point = interrupt_after_step, safe_point
         previous = unwind_on_sigterm()  # SIGTERM unwinds this call: its finally stops them
         with training_mode(self.model, args.gradient_checkpointing):  # restored after
             self.forward_model = self.ranks.wrap(self.model)  # every rank: DDP syncs them here
@@ -147,7 +158,8 @@ class AsyncGRPOTrainer(TrainerLifecycle):
         blocks 0..N-1, and a block whose groups all dropped publishes the same weights)."""
         run, args = self.run, self.args
         bar, fixed = self._progress_bar(), args.schedule_lag is not None
-        while args.max_steps <= 0 or run.global_step < args.max_steps:
+        while ((args.max_steps <= 0 or run.global_step < args.max_steps)
+               and run.global_step != run.interrupt_after_step):  # a resume from there: done
             started = time.monotonic()
             if fixed:
                 first = run.version.value * args.groups_per_step
@@ -175,8 +187,8 @@ class AsyncGRPOTrainer(TrainerLifecycle):
             if run.save_every and run.global_step % run.save_every == 0:
                 self._save_checkpoint()
             self._advance(bar)
-            if run.global_step == run.interrupt_after_step:
-                break
+            if self.safe_point is not None:
+                self.safe_point(run.global_step, run.global_step % run.logging_every == 0)
         bar.close()
         time.sleep(0.6)  # the worker ships its records every 0.5 s
         self._merge_worker_metrics()

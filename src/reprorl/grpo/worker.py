@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from reprorl.core import numerics
+from reprorl.core.preempt import ignore_job_signals
 from reprorl.model.grpo_losses import group_is_dropped
 from reprorl.serve.client import CompletionClient
 
@@ -369,6 +370,7 @@ def run_rollout_loop(inbox, shared: dict, parent_pid: int | None = None,
     at once (read while the trainer starts the server), then those that name the server
     and the policy (`config`, `lora_name`, `sampling_mask`); `shared` adds the queues,
     events and values only a spawn may pass."""
+    ignore_job_signals()  # the trainer stops this process, after its own checkpoint
     if started is not None:
         started.set()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -14,12 +14,16 @@ policy, `continuous` runs straight through (checkpointing each quarter of its pl
 whose adapters it keeps for the over-optimisation curve, `snapshots.py`). A state is the
 engine's final checkpoint, decoded, its files as bytes, and every metrics window's keys that do
 not depend on timing (`metrics.reproducible`); timings go to `logs/<stage>-metrics.jsonl`.
+The in-rule checkpoints a killed job continues from are the same states, taken at the ends of
+metrics windows (`InRuleCheckpoints`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -35,6 +39,7 @@ from reprorl.core.manifest import (
     gpu_memory,
     peak_rss_mb,
 )
+from reprorl.core.preempt import SIGNALS
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, checkpoints
 from reprorl.grpo.distributed import ranks_from_env
 from reprorl.grpo.metrics import metrics_file, read_windows, reproducible
@@ -129,10 +134,11 @@ def interrupt_step(args: AsyncGRPOConfig, rows: int) -> int:
     return max(window, planned_steps(args, rows) // 2 // window * window)
 
 
-def history(metrics: Path) -> list[dict]:
-    """The training windows of an engine's metrics.jsonl, reproducible keys only."""
+def history(metrics: Path, skip: int = 0) -> list[dict]:
+    """The training windows of an engine's metrics.jsonl after its first `skip` records,
+    reproducible keys only."""
     return [{k: v for k, v in record.items() if reproducible(k)}
-            for record in read_windows(metrics) if record.get("loss") is not None]
+            for record in read_windows(metrics)[skip:] if record.get("loss") is not None]
 
 
 def as_tensor(data: bytes) -> torch.Tensor:
@@ -169,7 +175,66 @@ def restore_checkpoint(state: dict, output_dir: Path) -> Path:
     return checkpoint
 
 
-def train(config: dict, run: str, mode: str, log=print) -> dict | None:
+class InRuleCheckpoints:
+    """A GRPO run's in-rule checkpoints (`core/preempt.py`), taken at its metrics windows'
+    ends (a window split by a restart would log other means): the engine's checkpoint as a
+    branch state, with the curve's snapshot adapters and the metrics log beside it."""
+
+    def __init__(self, preempt, identity: dict, output_dir: Path, keep_every: int | None):
+        self.preempt, self.identity, self.output_dir = preempt, identity, output_dir
+        self.keep_every = keep_every  # a straight run's snapshot steps (None: it keeps none)
+        self.kept, self.log = preempt.folder / "kept", preempt.folder / "metrics.jsonl"
+        self.windows: list[dict] = []  # those of the state the run starts from
+        self.skip = 0  # the metrics log's records from before this attempt
+        self.trainer = None
+
+    def start(self, saved: dict | None, continued: bool) -> Path | None:
+        """Start from `saved` (None: the start), `continued` if it is this job's own
+        checkpoint: the engine checkpoint restored, the earlier attempts' metrics log put
+        back (up to the checkpoint's step); returns the checkpoint to resume from."""
+        step = saved["updates"] if saved else 0
+        self.preempt.start(step)
+        if saved is None:
+            return None
+        self.windows = saved["progress"]["history"]
+        if continued and self.log.exists():
+            records = [r for r in read_windows(self.log) if r["step"] <= step]
+            atomic_write_bytes(metrics_file(self.output_dir), "".join(
+                json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
+            self.skip = len(records)
+        return restore_checkpoint(saved, self.output_dir)
+
+    def safe_point(self, step: int, window_end: bool) -> None:
+        """The trainer's hook after each optimizer step."""
+        if self.keep_every and step % self.keep_every == 0:  # it saved a curve point
+            self.keep(checkpoints.directory(self.output_dir, step))
+        self.preempt.reached(step, self.state, safe=window_end)
+
+    def keep(self, checkpoint: Path) -> None:
+        """A curve point's adapters into the scratch (a rerun continues past it), replacing
+        those of a killed attempt that reached the point after its last checkpoint."""
+        target = self.kept / snapshots.snapshot_name(checkpoints.step_of(checkpoint))
+        shutil.rmtree(target, ignore_errors=True)
+        with atomic_directory(target) as folder:
+            shutil.copytree(checkpoint / checkpoints.policy_folder(use_peft=True), folder,
+                            dirs_exist_ok=True)
+
+    def windows_now(self) -> list[dict]:
+        return self.windows + history(metrics_file(self.output_dir), self.skip)
+
+    def state(self) -> dict:
+        """The run now, a branch state; its metrics log copied beside it."""
+        engine = self.preempt.folder / "engine"
+        shutil.rmtree(engine, ignore_errors=True)
+        checkpoint = self.trainer.save_checkpoint_into(engine)
+        state = engine_state(self.identity, checkpoint, self.windows_now())
+        shutil.rmtree(engine)
+        metrics = metrics_file(self.output_dir)
+        atomic_write_bytes(self.log, metrics.read_bytes() if metrics.is_file() else b"")
+        return state
+
+
+def train(config: dict, run: str, mode: str, checkpoint_every=None, log=print) -> dict | None:
     """The run's `mode`; under torchrun, rank 0 alone reads and writes the stage's files (the
     other ranks train beside it, then return None)."""
     settings, limits = engine_settings(config), config["limits"]
@@ -215,11 +280,19 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
         identity["nproc_per_node"] = nproc
     if config["model"]["device"] != "cpu":  # likewise a CPU run's; bits depend on the device
         identity["device"] = config["model"]["device"]
-    windows, resume_from = [], None
-    if branch_run.resumes and ranks.main:
-        saved = branch_run.interrupt_state(identity)
-        windows = saved["progress"]["history"]
-        resume_from = restore_checkpoint(saved, output_dir)
+    resume_from = in_rule = None
+    if ranks.main:  # rank 0 decides when the run stops: the other ranks ignore signals
+        in_rule = InRuleCheckpoints(branch_run.checkpoints(identity, checkpoint_every),
+                                    identity, output_dir,
+                                    args.save_steps if branch_run.keeps_snapshots else None)
+        # a resume reads its interrupt state either way: the stage's input, which the
+        # manifest names, and which a checkpoint of this job descends from
+        start = branch_run.interrupt_state(identity) if branch_run.resumes else None
+        latest = in_rule.preempt.latest()
+        resume_from = in_rule.start(latest or start, continued=latest is not None)
+    else:
+        for signum in SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
     resume_from = ranks.share(resume_from)  # the others read it once rank 0 has written it
     # the rule's cores are shared: the embedded server takes its threads, the trainer the rest
     # but at least one (benchmarks/grpo_async.py: a trainer with 2 threads beside the server is
@@ -229,8 +302,11 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
         torch.set_num_threads(max(1, torch.get_num_threads() - args.embedded_server_threads))
     trainer = AsyncGRPOTrainer(actor.backbone, reward, args, rows, tokenizer, log=log)
     started = time.perf_counter()
+    if in_rule is not None:
+        in_rule.trainer = trainer
     result = trainer.train(resume_from_checkpoint=resume_from,
-                           interrupt_after_step=branch_run.stop(stop, None))
+                           interrupt_after_step=branch_run.stop(stop, None),
+                           safe_point=in_rule and in_rule.safe_point)
     seconds = time.perf_counter() - started
     # every rank's cost, gathered before the others leave, so the manifest counts them all
     rank_costs = ranks.gather(own_costs())
@@ -243,19 +319,25 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     if mode != "resume" and result.global_step and roles.learned_identity(actor) == initial:
         raise ReproError(f"GRPO ({run}) took {result.global_step} steps but left the actor "
                          "unchanged")
-    metrics = metrics_file(output_dir)
-    windows = windows + history(metrics)
-    storage = branch_run.save(engine_state(
-        identity, checkpoints.directory(output_dir, result.global_step), windows))
+    metrics, windows = metrics_file(output_dir), in_rule.windows_now()
+    final = engine_state(identity, checkpoints.directory(output_dir, result.global_step),
+                         windows)
+    # a signal after the last window's end: the final state is this job's last checkpoint
+    in_rule.preempt.stop_if_asked(result.global_step, lambda: final)
+    storage = branch_run.save(final)
+    in_rule.preempt.keep(layout.state(*branch_run))  # a job whose end is lost reruns from it
     atomic_write_bytes(layout.metrics_log(stage_name),
                        metrics.read_bytes() if metrics.is_file() else b"")
     branch_run.export(identity, config, {branch: actor})
-    if branch_run.keeps_snapshots:
+    if branch_run.keeps_snapshots:  # the curve points, and the end if the run ended early
+        for checkpoint in checkpoints.found(output_dir):
+            step = checkpoints.step_of(checkpoint)
+            if step % args.save_steps == 0 or step == result.global_step:
+                in_rule.keep(checkpoint)
         with atomic_directory(layout.snapshots(branch)) as folder:
             snapshots.write_plan(folder, planned)
-            for checkpoint in checkpoints.found(output_dir):
-                shutil.copytree(checkpoint / checkpoints.policy_folder(use_peft=True),
-                                folder / snapshots.snapshot_name(checkpoints.step_of(checkpoint)))
+            # copied, not moved: a rerun from the final checkpoint needs them
+            shutil.copytree(in_rule.kept, folder, dirs_exist_ok=True)
     shutil.rmtree(output_dir, ignore_errors=True)  # its final checkpoint is in the state
     keys = ("reward", "reward_kept", "frac_reward_zero_std", "entropy",
             "sample/staleness_mean", "sample/dropped_stale_count", "completions/mean_length",
@@ -284,7 +366,8 @@ def train(config: dict, run: str, mode: str, log=print) -> dict | None:
     }
     # costs vary run to run: they go to the manifest's run section, not into this file
     branch_run.report(report)
-    return {**report, "seconds": seconds, "other_ranks": rank_costs[1:]}
+    return {**report, "seconds": seconds, "other_ranks": rank_costs[1:],
+            "in_rule_checkpoints": in_rule.preempt.finish()}
 
 
 def own_costs() -> dict:
@@ -295,11 +378,12 @@ def own_costs() -> dict:
 
 def stage(name: str, config: dict, run, log=print) -> dict:
     run_name, mode = name.removeprefix("grpo_").rsplit("_", 1)
-    summary = train(config, run_name, mode, log)
+    summary = train(config, run_name, mode, run.checkpoint_every, log)
     if summary is None:  # a torchrun rank other than 0: rank 0 writes the manifest
         run.leave_to_another_process()
         return {"rank": ranks_from_env().rank}
-    costs = {"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb()}
+    costs = {"seconds": summary["seconds"], "peak_rss_mb": peak_rss_mb(),
+             "in_rule_checkpoints": summary["in_rule_checkpoints"]}
     if summary["other_ranks"]:  # torchrun: this process is rank 0 (its costs as of now)
         ranks = [own_costs(), *summary["other_ranks"]]
         costs.update(ranks=ranks, cpu_seconds=round(sum(r["cpu_seconds"] for r in ranks), 3))

@@ -76,6 +76,14 @@ class Branch(NamedTuple):
                              f" rerun {self.name}_interrupt with the same config, data and code")
         return state
 
+    def checkpoints(self, identity: dict, every: int | str | None) -> Checkpoints:
+        """This run's in-rule checkpoints (`core/preempt.py`), keyed by `identity` and, for a
+        resume, by the interrupt state it starts from."""
+        start = layout.state(self.name, "interrupt")
+        return Checkpoints(f"{self.name}_{self.mode}", identity, every,
+                           {"interrupt_state": sha256_file(start)}
+                           if self.resumes and start.exists() else None)
+
     def save(self, state: dict) -> dict:
         """This run's final state, written whole; returns its storage record."""
         return save_state(layout.state(*self), state)
@@ -103,10 +111,7 @@ class ResumableRun:
         self.optimizers, self.generators, self.schedule = optimizers, generators, schedule
         self.initial = {name: (learned_identity(role), frozen_identity(role))
                         for name, role in roles.items()}
-        start = layout.state(branch.name, "interrupt")  # a resume's other input
-        self.checkpoints = Checkpoints(
-            f"{branch.name}_{branch.mode}", identity, checkpoint_every,
-            {"interrupt_state": sha256_file(start)} if branch.resumes and start.exists() else None)
+        self.checkpoints = branch.checkpoints(identity, checkpoint_every)
         self.step_key = step_key  # the progress entry counting the stage's steps (else updates)
 
     def position(self, updates: int) -> dict:

@@ -59,6 +59,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         help="auto, cpu, cuda or cuda:N (a BF16-capable GPU, deterministic algorithms on)")
     add("--trust-remote-code", action="store_true", help="allow the model's own code")
     add("--seed", type=int, default=0)
+    add("--ignore-job-signals", action="store_true",
+        help="ignore SIGTERM and SIGUSR1 (a cluster's signals to every process of a job) and "
+             "stop on SIGINT: for a server whose parent stops it, as a GRPO trainer does")
     # read by `reprorl serve` before torch loads (reprorl.core.numerics); a child of a stage
     # inherits its stage's mode instead
     add("--numerics", choices=numerics.MODES, default=None,

@@ -35,6 +35,7 @@ from aiohttp import web
 from reprorl.core import devices, numerics
 from reprorl.core.errors import ReproError
 from reprorl.core.manifest import atomic_write_text
+from reprorl.core.preempt import ignore_job_signals
 
 from .adapters import Adapter
 from .api import (
@@ -389,7 +390,7 @@ async def serve(server: Server, args) -> None:
         atomic_write_text(args.port_file, f"{port}\n")
     print(f"reprorl serve: ready on http://{args.host}:{port}", file=sys.stderr, flush=True)
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals(args):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping")
@@ -402,6 +403,11 @@ async def serve(server: Server, args) -> None:
     await runner.cleanup()
 
 
+def stop_signals(args) -> tuple[int, ...]:
+    """What stops the server: SIGTERM and SIGINT, or SIGINT alone (`--ignore-job-signals`)."""
+    return (signal.SIGINT,) if args.ignore_job_signals else (signal.SIGTERM, signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
     if args.api_key is not None and not all(args.api_key):  # e.g. an unset shell variable
@@ -412,7 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reprorl serve: error: --lora-root {args.lora_root} is not a directory",
               file=sys.stderr)
         return 2
-    for sig in (signal.SIGTERM, signal.SIGINT):  # while loading; the event loop takes over
+    if args.ignore_job_signals:  # before the stops below; its parent held them until now
+        ignore_job_signals()
+    for sig in stop_signals(args):  # while loading; the event loop takes over
         signal.signal(sig, lambda *_: sys.exit(0))
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
