@@ -104,8 +104,8 @@ def test_the_end_of_a_run_stops_only_if_asked(in_tmp):
 
 def test_children_started_under_held_signals_ignore_them(tmp_path):
     """A GRPO run's worker and server: started while SIGTERM and SIGUSR1 are held, they then
-    ignore them (the trainer stops them after its checkpoint); a signal that reached the
-    trainer meanwhile is delivered to it once the hold ends."""
+    ignore them (the trainer stops them after its checkpoint); one that reached the trainer
+    meanwhile is not lost (another thread of this process may take it during the hold)."""
     script = ("import os, signal, sys, time\n"
               "from reprorl.core.preempt import ignore_job_signals\n"
               "time.sleep(0.5)\n"  # signals sent now are held, then discarded
@@ -119,8 +119,8 @@ def test_children_started_under_held_signals_ignore_them(tmp_path):
         with job_signals_held():
             child = subprocess.Popen([sys.executable, "-c", script, str(ready)])
             os.kill(child.pid, signal.SIGTERM)  # while it starts: held in the child
-            os.kill(os.getpid(), signal.SIGUSR1)  # held here too
-            assert not received
+            os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)  # a signal runs its Python handler between bytecodes of this thread
         assert received == [signal.SIGUSR1]
         deadline = time.monotonic() + 30
         while not ready.exists():

@@ -53,10 +53,10 @@ def _ask(signum, frame) -> None:
 
 @contextlib.contextmanager
 def job_signals_held():
-    """SIGNALS blocked while a child process starts: the child inherits the block, so one
-    that arrives before it ignores them (`ignore_job_signals`) cannot end it; here they wait
-    and arrive once the block ends. For the children a stage stops itself once checkpointed
-    (a GRPO run's rollout worker and server)."""
+    """SIGNALS blocked in this thread while a child process starts: the child inherits the
+    block, so one that arrives before it ignores them (`ignore_job_signals`) cannot end it.
+    Here none is lost: another thread takes it, or it arrives once the block ends. For the
+    children a stage stops itself once checkpointed (a GRPO run's rollout worker and server)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
         yield
