@@ -22,8 +22,9 @@ def _pins() -> dict[str, str]:
             for name, version in (line.split("==") for line in lines)}
 
 
-def _closure(requirements: list[str], extras: set[str]) -> set[str]:
-    """Every distribution `requirements` (with `extras` asked for) bring in on this Python."""
+def _closure(requirements: list[str], extras: set[str], project: dict) -> set[str]:
+    """Every distribution `requirements` (with `extras` asked for) bring in on this Python;
+    the project's own extras (`reprorl[loggers]` in the test extra) read from `project`."""
     found, pending = set(), [(Requirement(r), extras) for r in requirements]
     while pending:
         requirement, asked = pending.pop()
@@ -31,6 +32,10 @@ def _closure(requirements: list[str], extras: set[str]) -> set[str]:
                                           for extra in asked | {""}):
             continue
         name = canonicalize_name(requirement.name)
+        if name == canonicalize_name(project["name"]):
+            pending += [(Requirement(r), set()) for extra in requirement.extras
+                        for r in project["optional-dependencies"][extra]]
+            continue
         if (name, frozenset(requirement.extras)) in found:
             continue
         found.add((name, frozenset(requirement.extras)))
@@ -42,7 +47,7 @@ def _closure(requirements: list[str], extras: set[str]) -> set[str]:
 def test_the_lock_pins_every_distribution_the_test_install_brings_at_its_installed_version():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     needed = _closure([*project["dependencies"], *project["optional-dependencies"]["test"]],
-                      set())
+                      set(), project)
     pins = _pins()
     assert needed - set(pins) == set(), "unpinned: renew with `python constraints/lock.py`"
     drift = {name: (pins[name], metadata.version(name)) for name in needed

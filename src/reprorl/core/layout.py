@@ -75,6 +75,8 @@ manifest = Pattern(MANIFESTS / "{stage}.json")
 log = Pattern(LOGS / "{stage}.log")
 # a GRPO stage's metrics windows with their timings (the learning report keeps the rest)
 metrics_log = Pattern(LOGS / "{stage}-metrics.jsonl")
+# a GRPO stage's TensorBoard event files, with grpo.report_to: tensorboard
+tensorboard_dir = Pattern(LOGS / "tensorboard/{stage}")
 benchmark = Pattern(BENCHMARKS / "{stage}.tsv")
 # the resumable training branches (sft, reward, ppo, grpo_<run>) in their modes
 state = Pattern(CHECKPOINTS / "{branch}-{mode}.pt.gz")

@@ -59,6 +59,15 @@ class AsyncGRPOConfig(TRLFields):
     max_grad_norm: float = option(1.0, "Gradient clipping norm.")
     logging_steps: float = option(
         1, "Optimizer steps per metrics window (< 1: a fraction of max_steps).")
+    logging_first_step: bool = option(False, "Also log a window after the first step.")
+    report_to: str | list[str] | None = option(
+        "none", "Logging integrations, transformers' callbacks: 'none', 'all' (every one "
+        "installed), or names: 'trackio' (local), 'tensorboard', 'wandb' (WANDB_MODE=offline).")
+    run_name: str | None = option(None, "The run's name in the logging integrations.")
+    project: str = option("huggingface", "The trackio project the run is logged in.")
+    logging_dir: str | None = option(
+        None, "TensorBoard's event folder (transformers 4's field; None: "
+        "$TENSORBOARD_LOGGING_DIR, else output_dir/runs/<time>_<host>).")
     save_steps: float = option(
         500, "Optimizer steps between checkpoints (< 1: a fraction of max_steps).")
     save_strategy: str = option(
@@ -181,6 +190,9 @@ class AsyncGRPOConfig(TRLFields):
         if self.groups_per_step is None:
             self.groups_per_step = (self.per_device_train_batch_size
                                     * self.gradient_accumulation_steps)
+        from .callbacks import report_names
+
+        self.report_to = report_names(self.report_to)  # a list, as TrainingArguments makes it
 
     def _step_problems(self):
         for name in ("logging_steps", "save_steps"):
@@ -193,6 +205,15 @@ class AsyncGRPOConfig(TRLFields):
                        "max_steps)")
 
     def _choice_problems(self):
+        from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+        from .callbacks import report_names
+
+        names = [] if self.report_to in ("all", ["all"]) else report_names(self.report_to)
+        unknown = [n for n in names if n not in INTEGRATION_TO_CALLBACK]
+        if unknown:
+            yield (f"report_to {unknown} is not an integration: use 'none', 'all' or any of "
+                   f"{sorted(INTEGRATION_TO_CALLBACK)}")
         if self.dtype not in DTYPES:
             yield f"dtype must be one of {DTYPES}"
         if self.ddp_backend not in (None, "gloo", "nccl"):
@@ -313,6 +334,10 @@ class AsyncGRPOConfig(TRLFields):
     def to_dict(self) -> dict:
         """The fields this trainer reads (TRL's others can only hold what changes nothing)."""
         return {k: v for k, v in asdict(self).items() if k not in trl_fields.NAMES}
+
+    def to_json_string(self) -> str:
+        """`to_dict` as JSON (what the logging integrations record of a run's arguments)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True, default=str)
 
     @classmethod
     def help(cls) -> dict[str, str]:

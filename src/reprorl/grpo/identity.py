@@ -21,7 +21,9 @@ from .config import AsyncGRPOConfig
 # Settings a resume may change: where and how often things are written, how long to run, how
 # to reach the server, and memory-only choices. Any other difference makes a checkpoint refuse
 # to resume (max_steps too, when the learning-rate schedule depends on it).
-RESUMABLE_CHANGES = frozenset({
+# where the run's logs go (`callbacks.py`): nothing trained depends on them
+LOGGING = frozenset({"logging_first_step", "report_to", "run_name", "project", "logging_dir"})
+RESUMABLE_CHANGES = LOGGING | frozenset({
     "output_dir", "max_steps", "num_train_epochs", "logging_steps", "save_steps",
     "save_strategy", "save_total_limit", "disable_tqdm", "log_completions",
     "num_completions_to_print", "vllm_server_base_url", "vllm_server_timeout",

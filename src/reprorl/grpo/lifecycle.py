@@ -20,6 +20,7 @@ from reprorl.core import devices
 from reprorl.model import lora
 from reprorl.serve.client import ServerAdmin
 
+from . import callbacks as callbacks_
 from . import checkpoints
 from .agents import (
     check_prefix_preserving,
@@ -61,7 +62,7 @@ class TrainerLifecycle:
     loop_cls = AsyncRolloutLoop  # the worker's loop: a subclass overrides its hooks
 
     def __init__(self, model, reward_funcs=None, args: AsyncGRPOConfig | None = None,
-                 train_dataset=None, processing_class=None, peft_config=None,
+                 train_dataset=None, processing_class=None, callbacks=None, peft_config=None,
                  lora_path: str | None = None, tools=None, environment_factory=None,
                  log=print):
         refuse_spawned_import()
@@ -98,6 +99,28 @@ class TrainerLifecycle:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
         self.processes = Processes()  # the worker and the embedded server while train() runs
         self.run: TrainingRun | None = None  # the latest train() call's state
+        # transformers' callbacks, state and control (`callbacks.py`); rank 0 calls them
+        self.callback_handler = callbacks_.handler(self.args, callbacks, self.model,
+                                                   self.tokenizer)
+        self.state = callbacks_.new_state(
+            self.args, callbacks_.planned_steps(self.args, epoch_length(self.rows)),
+            self.ranks.main)
+        self.control = callbacks_.new_control()
+        if self.ranks.main:
+            self.control = self.callback_handler.on_init_end(self.args, self.state,
+                                                             self.control)
+
+    def add_callback(self, callback) -> None:
+        """Add a `TrainerCallback` (a class or an instance) to the list."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        """Remove a callback (a class: its first instance) and return it."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback) -> None:
+        """Remove a callback (a class: its first instance)."""
+        self.callback_handler.remove_callback(callback)
 
     @property
     def worker(self) -> RolloutWorker | None:

@@ -102,13 +102,19 @@ class MetricsLog:
         if not resume and self.path.exists():
             self.path.unlink()
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float]) -> dict:
+        """Append the window; returns its record (NaN written as null)."""
         record = {"step": step, **{k: (None if isinstance(v, float) and math.isnan(v) else v)
                                    for k, v in metrics.items()}}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(record, sort_keys=True) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+        return record
+
+    def records(self) -> list[dict]:
+        """The windows written so far (a resume's, from before it, included)."""
+        return read_windows(self.path)
 
 
 def metrics_file(output_dir: str | Path) -> Path:

@@ -39,8 +39,6 @@ class TrainingRun:
     ledger: PositionLedger
     version: Any  # shared .value: the newest published weight version (the trainer writes)
     metrics_log: MetricsLog
-    logging_every: int  # optimizer steps per metrics window
-    save_every: int  # optimizer steps per checkpoint; 0: only the final one
     checkpoint: Path | None = None  # the one this run resumed from
     global_step: int = 0
     num_tokens: int = 0  # real (unpadded) tokens trained on so far
@@ -65,8 +63,6 @@ def new_run(model, args, rows, ranks: Ranks, sources: dict, output_dir: Path,
         eps=args.adam_epsilon, weight_decay=args.weight_decay,
         fused=args.optim == "adamw_torch_fused")
     identity = run_identity(args, rows, ranks.world_size, sources)  # the rows stay
-    logging_every = args.steps_of("logging_steps")
-    save_every = args.steps_of("save_steps") if args.save_strategy == "steps" else 0
     end = math.ceil(args.num_train_epochs * len(rows)) if args.max_steps <= 0 else None
     # (a stream has max_steps: rows.as_rows)
     ledger, version, counters, checkpoint = PositionLedger(end=end), 0, {}, None
@@ -84,7 +80,7 @@ def new_run(model, args, rows, ranks: Ranks, sources: dict, output_dir: Path,
                       mp.get_context("spawn").RawValue("q", version),
                       MetricsLog(metrics_file(output_dir),
                                  resume=checkpoint is not None) if ranks.main else None,
-                      logging_every, save_every, checkpoint, **counters)
+                      checkpoint, **counters)
     if checkpoint is not None and ranks.main:
         run.saved = (run.global_step, version)
         log(f"resumed from {checkpoint}: step {run.global_step}, next prompt "

@@ -55,7 +55,9 @@ class AsyncGRPOTrainer(TrainerLifecycle):
     def _save_checkpoint(self) -> Path:
         run = self.run
         run.saved = (run.global_step, run.version.value)
-        return self.save_checkpoint_into(self.output_dir)
+        folder = self.save_checkpoint_into(self.output_dir)
+        self._event("on_save")
+        return folder
 
     def save_checkpoint_into(self, folder: Path) -> Path:
         """A checkpoint of the run as it is now, `<folder>/checkpoint-<step>`, which
@@ -126,6 +128,11 @@ class AsyncGRPOTrainer(TrainerLifecycle):
         """Rank 0 (the only rank without torchrun): the processes, the steps, the final
         checkpoint; returns the summed step losses (`distributed.lead` tells the others)."""
         run, args = self.run, self.args
+        self.callback_handler.optimizer = run.optimizer
+        self.state.global_step, self.state.epoch = run.global_step, self._epoch()
+        self.state.num_input_tokens_seen = run.num_tokens
+        self.state.log_history = [dict(r) for r in run.metrics_log.records()]  # a resume's
+        self._event("on_train_begin")
         self._start_processes(run)
         try:
             self._loop()
@@ -140,6 +147,7 @@ class AsyncGRPOTrainer(TrainerLifecycle):
             shutil.rmtree(checkpoints.directory(self.output_dir, run.global_step),
                           ignore_errors=True)  # this run's own, from before those blocks
             self._save_checkpoint()
+        self._event("on_train_end")
         return run.loss_sum
 
     def _set_up(self, setup: Setup) -> None:
@@ -158,8 +166,12 @@ class AsyncGRPOTrainer(TrainerLifecycle):
         blocks 0..N-1, and a block whose groups all dropped publishes the same weights)."""
         run, args = self.run, self.args
         bar, fixed = self._progress_bar(), args.schedule_lag is not None
+        begun = False  # on_step_begin once per optimizer step (an empty block is no step)
         while ((args.max_steps <= 0 or run.global_step < args.max_steps)
                and run.global_step != run.interrupt_after_step):  # a resume from there: done
+            if not begun:
+                self._event("on_step_begin")
+                begun = True
             started = time.monotonic()
             if fixed:
                 first = run.version.value * args.groups_per_step
@@ -175,6 +187,7 @@ class AsyncGRPOTrainer(TrainerLifecycle):
                 run.link.position_limit.value = self._position_limit()  # one more block
                 continue
             self._optimizer_step(step)
+            begun = False
             for sample in step.samples:
                 run.ledger.consume(sample.position)
             # the worker may keep max(max_staleness, 1) steps' worth of tokens in the pipeline
@@ -182,13 +195,24 @@ class AsyncGRPOTrainer(TrainerLifecycle):
             if run.global_step % args.weight_sync_steps == 0:
                 step.sync_s = self._sync(run.version.value + 1)
             self._record_step(step, time.monotonic() - started)
-            if run.global_step % run.logging_every == 0:
+            self.state.global_step, self.state.epoch = run.global_step, self._epoch()
+            self.state.num_input_tokens_seen = run.num_tokens
+            # DefaultFlowCallback asks for a window every logging_steps, a checkpoint every
+            # save_steps, and the end at max_steps; the caller's callbacks may change that
+            self._event("on_step_end")
+            window_end = self.control.should_log
+            if self.control.should_log:
                 self._log_window(step.samples)
-            if run.save_every and run.global_step % run.save_every == 0:
+            if self.control.should_evaluate:
+                raise RuntimeError("a callback set control.should_evaluate, but evaluation is "
+                                   "not implemented (no eval_dataset): leave it False")
+            if self.control.should_save:
                 self._save_checkpoint()
             self._advance(bar)
             if self.safe_point is not None:
-                self.safe_point(run.global_step, run.global_step % run.logging_every == 0)
+                self.safe_point(run.global_step, window_end)
+            if self.control.should_training_stop:
+                break
         bar.close()
         time.sleep(0.6)  # the worker ships its records every 0.5 s
         self._merge_worker_metrics()
@@ -286,7 +310,9 @@ class AsyncGRPOTrainer(TrainerLifecycle):
             group["lr"] = self._learning_rate(run.global_step)
         grad_norm = torch.nn.utils.clip_grad_norm_(
             [p for p in self.model.parameters() if p.requires_grad], args.max_grad_norm)
+        self._event("on_pre_optimizer_step")
         run.optimizer.step()
+        self._event("on_optimizer_step")
         run.optimizer.zero_grad(set_to_none=True)
         trained = run.optimizer.param_groups[0]["params"]
         if not all(bool(torch.isfinite(p).all()) for p in trained):  # before any publish
@@ -315,14 +341,30 @@ class AsyncGRPOTrainer(TrainerLifecycle):
         run.window.clear()
         metrics["num_tokens"] = run.num_tokens
         if epoch_length(self.rows):  # a stream's is not known
-            cursor = checkpoints.cursor_state(run.ledger, run.version.value, self.args)
-            metrics["epoch"] = cursor["next_prompt_index"] / epoch_length(self.rows)
-        run.metrics_log.write(run.global_step, metrics)
+            metrics["epoch"] = self._epoch()
+        record = run.metrics_log.write(run.global_step, metrics)
         self.log(console_line(run.global_step, metrics))
+        self.state.log_history.append(record)
+        self._event("on_log", logs={k: v for k, v in record.items()
+                                    if k != "step" and v is not None})
         if self.args.log_completions and samples:
             count = self.args.num_completions_to_print or self.args.num_generations
             for s in samples[:count]:
                 self.log(f"  [{s.reward:+.3f}] {s.completion_text!r}")
+
+    def _epoch(self) -> float | None:
+        """Epochs consumed, by the resume cursor (None for a stream, whose length is not
+        known)."""
+        if not epoch_length(self.rows):
+            return None
+        cursor = checkpoints.cursor_state(self.run.ledger, self.run.version.value, self.args)
+        return cursor["next_prompt_index"] / epoch_length(self.rows)
+
+    def _event(self, name: str, **kwargs) -> None:
+        """Call every callback's `name` (rank 0 alone), keeping the control they return."""
+        if self.ranks.main:
+            self.control = getattr(self.callback_handler, name)(
+                self.args, self.state, self.control, **kwargs)
 
     def _progress_bar(self):
         from reprorl.core.progress import progress

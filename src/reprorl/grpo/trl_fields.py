@@ -21,8 +21,7 @@ ANY = "any value"  # read by scripts and launchers, not by the trainer (as in tr
 # reasons shared by several fields
 NO_EVAL = "evaluation is not implemented (no eval_dataset)"
 NO_HUB = "no model hub: pushing checkpoints is not implemented"
-NO_LOGGERS = ("logging integrations are not implemented: metrics go to "
-              "output_dir/metrics.jsonl and the console")
+NO_SPACES = "no model hub: trackio logs locally, a Space cannot be created"
 NO_LOADER = "samples come from the rollout queue, not a DataLoader"
 DDP = ("ranks run under torchrun and average gradients with their own all-reduce "
        "(distributed.py), not accelerate, FSDP, DeepSpeed or torch's DDP wrapper")
@@ -40,9 +39,7 @@ NOT_READ: dict[str, dict[str, Any]] = {
         load_best_model_at_end=False, metric_for_best_model=None, greater_is_better=None),
     NO_HUB: dict(push_to_hub=False, hub_token=None, hub_private_repo=None, hub_model_id=None,
                  hub_strategy="every_save", hub_always_push=False, hub_revision=None),
-    NO_LOGGERS: dict(report_to="none", run_name=None, project="huggingface",
-                     trackio_space_id=None, trackio_bucket_id=None,
-                     trackio_static_space_id=None),
+    NO_SPACES: dict(trackio_space_id=None, trackio_bucket_id=None, trackio_static_space_id=None),
     NO_LOADER: dict(dataloader_drop_last=False, dataloader_num_workers=0,
                     dataloader_pin_memory=True, dataloader_persistent_workers=False,
                     dataloader_prefetch_factor=None, dataloader_multiprocessing_context=None,
@@ -73,7 +70,6 @@ NOT_READ: dict[str, dict[str, Any]] = {
     "the trainer does not empty the CUDA cache on a schedule": dict(torch_empty_cache_steps=None),
     "set per_device_train_batch_size and token_budget": dict(auto_find_batch_size=False),
     "metrics are logged every logging_steps optimizer steps": dict(logging_strategy="steps"),
-    "the first window is logged after logging_steps steps": dict(logging_first_step=False),
     "rank 0 alone logs (one node)": dict(log_on_each_node=True),
     # None here, not TRL's True (filter): nothing here matches what either value asks
     "a NaN or infinite loss stops the run (its step leaves the parameters non-finite) instead "
@@ -83,7 +79,8 @@ NOT_READ: dict[str, dict[str, Any]] = {
     "needs": dict(save_only_model=False),
     "rank 0 writes the checkpoints": dict(save_on_each_node=False),
     "no checkpoint is written on a signal": dict(enable_jit_checkpoint=False),
-    "callbacks are not implemented": dict(restore_callback_states_from_checkpoint=False),
+    "a checkpoint does not keep callbacks' states": dict(
+        restore_callback_states_from_checkpoint=False),
     "the trainer always runs deterministic algorithms": dict(full_determinism=False),
     "the policy trains where the model you pass lies: move it with .to('cpu')": dict(
         use_cpu=False),
@@ -110,7 +107,7 @@ ALSO: dict[str, tuple] = {
     "tf32": (False,), "activation_checkpointing": (False,), "eval_delay": (0.0,),
     "activation_checkpointing_kwargs": ({},), "gradient_checkpointing_kwargs": ({},),
     "log_on_each_node": (False,), "include_num_input_tokens_seen": (False,),
-    "report_to": (None, "none", []), "fsdp": ("",), "full_determinism": (True,),
+    "fsdp": ("",), "full_determinism": (True,),
     "remove_unused_columns": (False,), "debug": ([],), "router_aux_loss_coef": (0, 0.0),
 }
 # field -> (its default here, the values accepted or ANY, why others are refused)

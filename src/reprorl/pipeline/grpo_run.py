@@ -21,7 +21,6 @@ metrics windows (`InRuleCheckpoints`).
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import signal
 import time
@@ -41,7 +40,9 @@ from reprorl.core.manifest import (
 )
 from reprorl.core.preempt import SIGNALS
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, checkpoints
+from reprorl.grpo.callbacks import planned_steps
 from reprorl.grpo.distributed import ranks_from_env
+from reprorl.grpo.identity import LOGGING
 from reprorl.grpo.metrics import metrics_file, read_windows, reproducible
 from reprorl.model import lora, roles
 from reprorl.model.encoding import Example, collate, load_tokenizer, prompt_ids
@@ -119,12 +120,6 @@ def dataset(run: str) -> list[dict]:
         for row in rows:
             row["expected_action"] = labels[row["document_id"]]
     return rows
-
-
-def planned_steps(args: AsyncGRPOConfig, rows: int) -> int:
-    """The run's optimizer steps if no block comes back empty (a fixed schedule's blocks)."""
-    return args.max_steps if args.max_steps > 0 else math.ceil(
-        math.ceil(args.num_train_epochs * rows) / args.groups_per_step)
 
 
 def interrupt_step(args: AsyncGRPOConfig, rows: int) -> int:
@@ -253,6 +248,9 @@ def train(config: dict, run: str, mode: str, checkpoint_every=None, log=print) -
     initial = roles.learned_identity(actor)
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
+    if settings.get("report_to") not in (None, "none", [], ["none"]):  # outside output_dir
+        settings.update(run_name=stage_name, project="reprorl",
+                        logging_dir=str(layout.tensorboard_dir(stage_name)))
     args = AsyncGRPOConfig(
         output_dir=str(output_dir), embedded_server=server_url is None,
         dtype=config["model"]["dtype"], embedded_server_device=config["model"]["device"],
@@ -272,7 +270,8 @@ def train(config: dict, run: str, mode: str, checkpoint_every=None, log=print) -
     if branch_run.keeps_snapshots:  # a checkpoint at each curve point: its adapter is kept
         args.save_steps = snapshots.every(planned)
         args.save_total_limit = None
-    identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": settings,
+    trained = {k: v for k, v in settings.items() if k not in LOGGING}  # logs change no bit
+    identity = {"run": run, "sft_sha256": sft_meta["sha256"], "grpo": trained,
                 "cut_penalty": cut_penalty,
                 "reward_sha256": reward_sha256, "code_sha256": code_hash(f"{branch}_continuous"),
                 "initial_learned": initial}
@@ -359,7 +358,7 @@ def train(config: dict, run: str, mode: str, checkpoint_every=None, log=print) -
         # null in the other modes, which do not stop there
         "reached_interrupt_step": reached if mode == "interrupt" else None,
         "first_windows": mean_of(windows[:tenth]), "last_windows": mean_of(windows[-tenth:]),
-        "windows": len(windows), "history": windows, "settings": settings,
+        "windows": len(windows), "history": windows, "settings": trained,
         "checkpoint": storage,
         "note": "sampled at temperature 1 during training; on the fixed schedule the run "
                 "replays bit for bit (timings, in logs/ and the manifest, excepted)",
