@@ -199,7 +199,7 @@ def test_request_errors(server, tiny_model):
     assert response.status_code == 404
     assert response.json()["error"]["message"] == "The model `nope` does not exist."
     assert response.json()["error"]["type"] == "NotFoundError"
-    for bad in ({"logprobs": 21}, {"n": 0}, {"stream": True}, {"prompt": []},
+    for bad in ({"logprobs": 21}, {"n": 0}, {"stream": "perhaps"}, {"prompt": []},
                 {"temperature": -1}, {"ignore_eos": "perhaps"}, {"suffix": "end"}):
         body = {"prompt": [5, 6], **bad}
         assert requests.post(url, json=body, timeout=10).status_code == 400, bad
@@ -545,7 +545,7 @@ def hostile_requests(url, prompt, adapters, outside, rng):
                 {"prompt": [[1, 2], []]}, {"prompt": [True, False]}, {"prompt": [-1]},
                 {"prompt": [10 ** 9]}, {"prompt": []}, {"prompt": ""}, {"max_tokens": 0},
                 {"max_tokens": -5}, {"max_tokens": 10 ** 30}, {"logprobs": 1000}, {"n": 0},
-                {"stream": True}, {"echo": True, "logprobs": 1}, {"temperature": -1},
+                {"stream": True, "n": 0}, {"echo": True, "logprobs": 1}, {"temperature": -1},
                 {"top_p": 0}, {"logit_bias": {"-1": 5}}, {"allowed_token_ids": []},
                 {"bad_words": [7]}, {"min_tokens": 99}, {"stop": [1]},
                 {"top_k": -7}, {"min_p": 2}, {"repetition_penalty": 0}, {"stop_token_ids": "x"},

@@ -250,12 +250,25 @@ completion = client.completions.create(model=sys.argv[2], prompt=["One.", "Two, 
 chat = client.chat.completions.create(
     model=sys.argv[2], messages=[{"role": "user", "content": "Hello there."}], n=2,
     max_completion_tokens=5, seed=7, logprobs=True, top_logprobs=2)
+streamed = client.completions.create(model=sys.argv[2], prompt="One.", n=2, max_tokens=5,
+                                     seed=7, temperature=1.0, stream=True,
+                                     stream_options={"include_usage": True})
+texts, usage = ["", ""], None
+for chunk in streamed:
+    for c in chunk.choices:
+        texts[c.index] += c.text
+    usage = chunk.usage.model_dump() if chunk.usage else usage
+chat_stream = client.chat.completions.create(
+    model=sys.argv[2], messages=[{"role": "user", "content": "Hello there."}],
+    max_completion_tokens=5, seed=7, stream=True)
+chat_text = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
 refused = None
 try:
     client.completions.create(model=sys.argv[2], prompt="x", max_tokens=1, suffix="end")
 except Exception as error:
     refused = [type(error).__name__, getattr(error, "status_code", None), str(error)]
 print(json.dumps({"completion": completion.model_dump(), "chat": chat.model_dump(),
+                  "streamed": texts, "usage": usage, "chat_streamed": chat_text,
                   "refused": refused}))
 """
 
@@ -263,7 +276,8 @@ print(json.dumps({"completion": completion.model_dump(), "chat": chat.model_dump
 @pytest.mark.vllm
 def test_the_openai_sdk_talks_to_the_server(server, tiny_model):
     """The official `openai` client (the one vLLM's venv ships) against the server: several
-    prompts with n samples, a chat with log-probs, and a refused field as the SDK's error."""
+    prompts with n samples, a chat with log-probs, both streamed, and a refused field as the
+    SDK's error."""
     from test_vllm import vllm_python
 
     answer = subprocess.run([vllm_python(), "-c", SDK_SCRIPT, server, str(tiny_model)],
@@ -278,5 +292,14 @@ def test_the_openai_sdk_talks_to_the_server(server, tiny_model):
     chat = sdk["chat"]["choices"]
     assert len(chat) == 2 and chat[0]["message"]["role"] == "assistant"
     assert len(chat[0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    # streamed through the SDK: the same samples, the usage chunk read as the SDK reads it
+    assert sdk["streamed"] == [c["text"] for c in sdk["completion"]["choices"][:2]]
+    assert sdk["usage"]["completion_tokens"] == sum(
+        len(complete(server, prompt="One.", seed=7 + s, max_tokens=5, temperature=1.0,
+                     return_token_ids=True)["token_ids"]) for s in (0, 1))
+    alone = requests.post(f"{server}/v1/chat/completions", json={
+        "model": str(tiny_model), "messages": [{"role": "user", "content": "Hello there."}],
+        "max_completion_tokens": 5, "seed": 7}, timeout=60).json()
+    assert sdk["chat_streamed"] == alone["choices"][0]["message"]["content"]
     name, status, message = sdk["refused"]
     assert name == "BadRequestError" and status == 400 and "'suffix'" in message

@@ -280,28 +280,34 @@ def completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
+def completion_logprobs(seq: Sequence, reply: Reply, piece, start: int = 0,
+                        end: int | None = None, offset: int = 0) -> tuple[dict | None, int]:
+    """vLLM's completion log-probs of the generated tokens [start, end) (None when not asked),
+    their text offsets counted from `offset`; and the offset after them (a stream's next)."""
+    if seq.params.logprobs is None:
+        return None, offset
+
+    def shown_as(tid: int) -> str:
+        return f"token_id:{tid}" if reply.as_ids else piece(tid)
+
+    logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    for tid, (value, ids, values) in zip(seq.generated[start:end], seq.logprobs[start:end]):
+        top = {shown_as(tid): json_logprob(value)}  # the sampled token first, as vLLM
+        for other, other_value in zip(ids, values):
+            top.setdefault(shown_as(other), json_logprob(other_value))
+        logprobs["text_offset"].append(offset)
+        logprobs["tokens"].append(shown_as(tid))
+        offset += len(logprobs["tokens"][-1])
+        logprobs["token_logprobs"].append(json_logprob(value))
+        logprobs["top_logprobs"].append(top)
+    return logprobs, offset
+
+
 def choice(seq: Sequence, index: int, reply: Reply, tokenizer, piece,
            prompt_text: str | None) -> dict:
     """One choice of a completion: its text (after the prompt's with `echo`), log-probs and
     ending."""
-    as_ids = reply.as_ids
-
-    def shown_as(tid: int) -> str:
-        return f"token_id:{tid}" if as_ids else piece(tid)
-
-    logprobs = None
-    if seq.params.logprobs is not None:
-        logprobs = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-        for tid, (value, ids, values) in zip(seq.generated, seq.logprobs):
-            top = {shown_as(tid): json_logprob(value)}  # the sampled token first, as vLLM
-            for other, other_value in zip(ids, values):
-                top.setdefault(shown_as(other), json_logprob(other_value))
-            tokens = logprobs["tokens"]
-            logprobs["text_offset"].append(
-                logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else 0)
-            tokens.append(shown_as(tid))
-            logprobs["token_logprobs"].append(json_logprob(value))
-            logprobs["top_logprobs"].append(top)
+    logprobs = completion_logprobs(seq, reply, piece)[0]
     with_ids = reply.with_ids
     text = output_text(seq, tokenizer, reply.skip_special)
     if reply.echo and not with_ids:  # vLLM: with return_token_ids the ids carry the prompt

@@ -132,8 +132,10 @@ def chat_completion(seqs: list[Sequence], reply: Reply, tokenizer, piece,
             "metrics": None}
 
 
-def logprobs(seq: Sequence, reply: Reply, piece) -> dict | None:
-    """vLLM's chat log-probs: each token with its bytes and its top alternatives."""
+def logprobs(seq: Sequence, reply: Reply, piece, start: int = 0,
+             end: int | None = None) -> dict | None:
+    """vLLM's chat log-probs of the generated tokens [start, end): each token with its bytes
+    and its top alternatives."""
     if seq.params.logprobs is None:
         return None
 
@@ -144,4 +146,5 @@ def logprobs(seq: Sequence, reply: Reply, piece) -> dict | None:
 
     return {"content": [
         {**entry(tid, value), "top_logprobs": [entry(o, v) for o, v in zip(ids, values)]}
-        for tid, (value, ids, values) in zip(seq.generated, seq.logprobs)]}
+        for tid, (value, ids, values) in zip(seq.generated[start:end],
+                                             seq.logprobs[start:end])]}

@@ -25,7 +25,7 @@ class Fields:
     refused: dict[str, tuple]  # field -> (its default, a value a test asks, why not here)
 
 
-NO_STREAM = "responses come whole (no server-sent events)"
+NO_STREAM = "a generate request's answer comes whole"
 NO_PROMPT_LOGPROBS = "the prompt's own log-probs are not computed"
 NO_GUIDED = "no guided decoding (grammars, JSON schemas, regular expressions)"
 NO_BEAMS = "no beam search"
@@ -73,11 +73,11 @@ COMPLETION = Fields(
         "return_tokens_as_token_ids": "api.choice", "return_token_ids": "api.choice",
         "add_special_tokens": "server.prompt: a text prompt's tokenization",
         "return_token_offsets": "ignored by vLLM outside its render endpoints too",
+        "stream": "streaming.py: server-sent events, chunks as vLLM's",
+        "stream_options": "streaming.StreamOptions: include_usage, continuous_usage_stats",
     },
     refused={
         **SHARED_REFUSED,
-        "stream": (False, True, NO_STREAM),
-        "stream_options": (None, {"include_usage": True}, NO_STREAM),
         "suffix": (None, "end", "the model has no fill-in-the-middle template"),
         "use_beam_search": (False, True, NO_BEAMS),
         "length_penalty": (1.0, 0.5, NO_BEAMS),

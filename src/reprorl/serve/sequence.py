@@ -52,6 +52,9 @@ class Sequence:
     text_end: int | None = None
     aborted: bool = False
     error: ApiError | None = None  # this request failed; the others go on
+    # a streamed request's: called on its event loop after each token with (this sequence,
+    # its tokens generated, whether it ended), as the engine thread saw them
+    on_token: Callable[[Sequence, int, bool], None] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -79,6 +82,10 @@ class Sequence:
             self.finish_reason = "length"
         if p.stop and len(self.generated) > p.min_tokens:
             self.find_stop_string()
+        if self.on_token is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop has closed
+                self.loop.call_soon_threadsafe(self.on_token, self, len(self.generated),
+                                               self.finish_reason is not None)
 
     def find_stop_string(self) -> None:
         """vLLM's stop strings: the first one the output's text holds, searched from where the

@@ -67,6 +67,7 @@ from .flags import arguments
 from .logprobs import Params
 from .model_routes import ModelRoutes
 from .sequence import ApiError, Sequence
+from .streaming import Stream, StreamOptions, respond
 from .weights import install_switches, weight_targets
 
 log = logging.getLogger("reprorl.serve")
@@ -270,15 +271,16 @@ class Server(ModelRoutes):
         return model
 
     async def run(self, prompt: list[int], params: Params, model: str, seed,
-                  skip_special: bool = True) -> Sequence:
+                  skip_special: bool = True, on_token=None) -> Sequence:
         """Generate to the end; a client that goes away aborts its sequence. Stop strings are
-        searched in the text decoded as the reply decodes it (`skip_special`)."""
+        searched in the text decoded as the reply decodes it (`skip_special`); `on_token`, a
+        stream's, is called after each token (`Sequence.on_token`)."""
         generator = devices.generator(
             self.rng.getrandbits(63) if seed is None else seed % (1 << 64), self.engine.device)
         self.refuse_if_overloaded()  # again: others may have queued while this one tokenised
         loop = asyncio.get_running_loop()
         seq = Sequence(prompt, params, self.adapters.get(model), generator,
-                       loop.create_future(), loop)
+                       loop.create_future(), loop, on_token=on_token)
         if params.stop:
             seq.text_of = functools.partial(self.engine_tokenizer.decode,
                                             skip_special_tokens=skip_special)
@@ -304,10 +306,26 @@ class Server(ModelRoutes):
         ids = [await self.prompt(prompt, add_special) for prompt in sent]
         params = await self.params(body, [len(prompt) for prompt in ids])
         seed = number(body, "seed", None, int)
+        options = StreamOptions.of(body)
         del body  # a waiting request keeps only what its reply needs
+        if options is not None:
+            stream = Stream(reply, options, self.tokenizer, self.piece, False, texts,
+                            len(ids) * reply.samples)
+            return await self.streamed(request, stream, ids, params, model, seed)
         seqs = await self.samples(ids, params, model, seed, reply)
         return web.json_response(await self.in_text_pool(
             lambda: completion(seqs, reply, self.tokenizer, self.piece, texts)))
+
+    async def streamed(self, request, stream: Stream, ids: list[list[int]],
+                       params: list[Params], model: str, seed) -> web.StreamResponse:
+        """Each prompt's `n` samples as server-sent events (`streaming.respond`); sample j
+        seeded seed + j, as unstreamed."""
+        samples = stream.reply.samples
+        runs = [functools.partial(self.run, prompt, settings, model,
+                                  None if seed is None else seed + sample,
+                                  stream.reply.skip_special)
+                for prompt, settings in zip(ids, params) for sample in range(samples)]
+        return await respond(request, stream, runs, self.in_text_pool)
 
     async def samples(self, ids: list[list[int]], params: list[Params], model: str, seed,
                       reply: Reply) -> list[Sequence]:
@@ -332,7 +350,16 @@ class Server(ModelRoutes):
         prompt = await self.prompt(rendered)
         (params,) = await self.params(chat_settings(body), [len(prompt)])
         seed = number(body, "seed", None, int)
+        options = StreamOptions.of(body)
         del body
+        if options is not None:
+            if tools:
+                raise ApiError(400, "'stream' with tools is not supported by this server: tool "
+                               "calls are parsed from the whole answer; ask without stream.",
+                               param="stream")
+            stream = Stream(reply, options, self.tokenizer, self.piece, True, [None],
+                            reply.samples)
+            return await self.streamed(request, stream, [prompt], [params], model, seed)
         seqs = await self.samples([prompt], [params], model, seed, reply)
         return web.json_response(await self.in_text_pool(
             lambda: chat_completion(seqs, reply, self.tokenizer, self.piece, tools)))
