@@ -15,7 +15,9 @@ In-rule checkpoints (`core/preempt.py`): each stage under test is stopped severa
 working folder, by SIGTERM (what SLURM sends every process of a job at its time limit: a GRPO
 run's server and worker get it too) and by SIGKILL, each at a random step, each stop followed
 by `--rerun-incomplete`; the finished stage's files must be the uninterrupted run's, and all
-its attempts together must have computed fewer than twice its steps.
+its attempts together must have computed fewer than twice its steps. Steps count from where the
+stage starts (a resume, from its interrupt); a stage with fewer safe points than stops (a short
+GRPO run checkpoints at its windows' ends) takes the stops it has room for.
 """
 
 import os
@@ -206,12 +208,18 @@ def _stop_at(workdir: Path, stage: str, step: int, signum: int, first: bool) -> 
 def test_stopped_stages_continue_from_their_checkpoints(reference, stage, tmp_path):
     reference_dir, reference_files = reference
     manifest = read_json(reference_dir / f"outputs/manifests/{stage}.json")
-    steps = manifest["run"]["in_rule_checkpoints"]["steps_computed"]  # uninterrupted: all
+    work = manifest["run"]["in_rule_checkpoints"]
+    steps = work["steps_computed"]  # uninterrupted: all of them
+    first, end = work["continued_from_step"], work["continued_from_step"] + steps
+    if steps == 0:  # e.g. the CI's verifier GRPO run, whose groups all drop
+        pytest.skip(f"{stage} computes no step in this profile: nothing to stop")
     workdir = _upstream_ready(reference_dir, tmp_path / "wf")
     rng, stops = random.Random(f"{stage}-stops"), []
     for number, signum in enumerate(STOPS):
-        done = _position(_work(workdir, stage)) if number else 0
-        room = (steps - done) // (len(STOPS) - number + 1)
+        done = _position(_work(workdir, stage)) if number else first
+        if end - done < 2:  # a stage with fewer safe points than stops (a GRPO run's
+            break  # windows): it checkpointed at its end, no later step to stop at
+        room = (end - done) // (len(STOPS) - number + 1)
         step = done + rng.randint(1, max(1, room))
         reached = _stop_at(workdir, stage, step, signum, first=number == 0)
         lines = _work(workdir, stage)
@@ -228,7 +236,7 @@ def test_stopped_stages_continue_from_their_checkpoints(reference, stage, tmp_pa
         n: reference_files[n] for n in files if n in reference_files}
     assert not list((workdir / "assets/scratch").glob("*"))  # gone once the stage is complete
     work = finished["run"]["in_rule_checkpoints"]
-    assert work["attempts"] == len(STOPS) + 1 and work["steps_computed"] < 2 * steps
+    assert work["attempts"] == len(stops) + 1 and work["steps_computed"] < 2 * steps
     PREEMPT_REPORT[stage] = {"stops": stops, "steps": steps,
                              "steps_computed": work["steps_computed"]}
 
