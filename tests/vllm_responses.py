@@ -79,6 +79,7 @@ def record(base_url: str, model: str, adapter: str, big_adapter: str,
             "lora_name": "probe-big", "lora_path": big_adapter}),
         "metrics": metric_labels(session.get(f"{base_url}/metrics", timeout=30).text),
         **record_api(session, base_url, model),
+        **record_streams(session, base_url, model),
     }
     if dev:
         answers.update(record_dev(session, base_url, model))
@@ -106,6 +107,32 @@ def record_api(session: requests.Session, base_url: str, model: str) -> dict:
                 ("version", "/version", None),
                 ("refused_field", "/v1/completions", {"model": model, "prompt": [5],
                                                       "max_tokens": 1, "suffix": "end"}))}
+
+
+def record_streams(session: requests.Session, base_url: str, model: str) -> dict:
+    """A streamed completion (two samples, the usage chunk asked) and a streamed chat: their
+    first chunk, a later one, each choice's last, the usage chunk and the end marker."""
+    def events(path: str, body: dict) -> dict:
+        with session.post(f"{base_url}{path}", json=body, stream=True, timeout=120) as response:
+            lines = [line.removeprefix("data: ") for line in
+                     response.iter_lines(decode_unicode=True) if line]
+        chunks = [json.loads(line) for line in lines[:-1]]
+        choices = [c for c in chunks if c["choices"]]
+        return {"status": response.status_code, "body": {
+            "first": choices[0], "second": choices[1],
+            "last": next(c for c in reversed(choices) if c["choices"][0]["finish_reason"]),
+            "usage": next(c for c in chunks if not c["choices"]), "end": lines[-1]}}
+
+    usage = {"include_usage": True}
+    return {
+        "completion_stream": events("/v1/completions", {
+            "model": model, "prompt": [5, 6, 7], "n": 2, "max_tokens": 3, "seed": 3,
+            "logprobs": 1, "return_tokens_as_token_ids": True, "stream": True,
+            "stream_options": usage}),
+        "chat_stream": events("/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "Hello there"}],
+            "max_completion_tokens": 3, "seed": 3, "logprobs": True, "top_logprobs": 1,
+            "stream": True, "stream_options": usage})}
 
 
 def record_dev(session: requests.Session, base_url: str, model: str) -> dict:
