@@ -49,7 +49,9 @@ def test_pipeline_defaults_differ_from_the_configs_only_where_said():
     defaults = {f.name: f.default for f in dataclasses.fields(AsyncGRPOConfig)}
     shared = properties.keys() & defaults.keys()
     assert len(shared) >= 20, sorted(shared)  # the block is the one meant, not an empty one
-    differ = {name for name in shared if properties[name]["default"] != defaults[name]}
+    # a key without a default here (report_to) is left to AsyncGRPOConfig's
+    differ = {name for name in shared
+              if properties[name].get("default", defaults[name]) != defaults[name]}
     unexplained = {name: (properties[name]["default"], defaults[name])
                    for name in differ - PIPELINE_DIFFERENCES.keys()}
     assert not unexplained, f"schema vs AsyncGRPOConfig defaults: {unexplained}"
@@ -64,7 +66,7 @@ def test_pipeline_defaults_differ_from_the_configs_only_where_said():
 
 def test_pipeline_defaults_are_valid_settings():
     settings = {name: spec["default"] for name, spec in grpo_block().items()
-                if name not in PIPELINE_KEYS and spec["default"] is not None}
+                if name not in PIPELINE_KEYS and spec.get("default") is not None}
     config = AsyncGRPOConfig(output_dir="out", **settings)
     assert config.groups_per_step == 4 and not config.gradient_checkpointing
 
@@ -104,7 +106,7 @@ def test_every_field_of_trls_config_is_honoured_or_refused_by_name():
     answered = honoured | renamed | unread
     assert set(trl) - answered == set(), "fields of TRL's config with no answer here"
     assert set(trl_fields.NAMES) - set(trl) == set(), "answers for fields TRL does not have"
-    assert len(trl) == 142 and (len(honoured), len(renamed), len(unread)) == (53, 3, 86)
+    assert len(trl) == 142 and (len(honoured), len(renamed), len(unread)) == (54, 3, 85)
     for name in trl:  # TRL's declared defaults, but where a departure says why
         spec = ours[name]
         value = spec.default_factory() if spec.default_factory is not dataclasses.MISSING \
@@ -135,3 +137,46 @@ def test_trls_new_names_set_the_seeds_fields():
         AsyncGRPOConfig(trackio_space_id="me/space")
     with pytest.raises(ValueError, match=r"report_to \['tensorbored'\] is not an integration"):
         AsyncGRPOConfig(report_to=["tensorboard", "tensorbored"])
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("constant", None), ("constant_with_warmup", None), ("linear", None),
+    ("cosine", {"num_cycles": 0.25}), ("cosine_with_restarts", {"num_cycles": 2}),
+    ("polynomial", {"power": 2.0, "lr_end": 1e-7}), ("inverse_sqrt", None),
+    ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ("cosine_warmup_with_min_lr", {"min_lr_rate": 0.1}),
+    ("warmup_stable_decay", {"num_decay_steps": 3})])
+def test_every_schedule_gives_the_rates_transformers_steps_through(name, kwargs):
+    """The trainer's rate at each step is what transformers' scheduler gives an optimizer the
+    Trainer steps, bit for bit (`schedule.py`); kwargs may come as JSON, as in TRL."""
+    import json
+
+    import torch
+    from transformers import get_scheduler
+
+    from reprorl.grpo import schedule
+
+    args = AsyncGRPOConfig(output_dir="out", learning_rate=1e-3, max_steps=10, warmup_steps=0.2,
+                           lr_scheduler_type=name,
+                           lr_scheduler_kwargs=json.dumps(kwargs) if kwargs else None)
+    ours = [schedule.rate(args, schedule.multiplier(args), step) for step in range(10)]
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=2, num_training_steps=10,
+                              scheduler_specific_kwargs=kwargs)
+    theirs = []
+    for _ in range(10):
+        theirs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert ours == theirs
+
+
+def test_schedules_that_cannot_run_here_are_refused_by_name():
+    for settings, words in (
+            ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "follows an evaluation metric"),
+            ({"lr_scheduler_type": "cosine"}, "'cosine' needs max_steps > 0"),
+            ({"lr_scheduler_type": "cosine", "max_steps": 5, "lr_scheduler_kwargs": {"power": 2}},
+             "lr_scheduler_kwargs do not fit 'cosine'"),
+            ({"lr_scheduler_type": "sawtooth"}, "lr_scheduler_type must be one of")):
+        with pytest.raises(ValueError, match=words):
+            AsyncGRPOConfig(output_dir="out", **settings)

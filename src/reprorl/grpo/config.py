@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from . import trl_fields
+from . import schedule, trl_fields
 from .trl_fields import TRLFields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -50,7 +50,10 @@ class AsyncGRPOConfig(TRLFields):
         -1, "If > 0, stop after this many optimizer steps instead of by epochs.")
     learning_rate: float = option(1e-6, "AdamW peak learning rate.")
     lr_scheduler_type: str = option(
-        "constant", "'constant' or 'linear' (linear decay needs max_steps > 0).")
+        "constant", "Any of transformers' schedulers but those following a metric; those that "
+        "decay over the run (linear, cosine, ...) need max_steps > 0.")
+    lr_scheduler_kwargs: dict | str | None = option(
+        None, "The scheduler's own arguments (num_cycles, power, min_lr, ...), or their JSON.")
     warmup_steps: float = option(0, "Warm-up steps (a float < 1 is a fraction of max_steps).")
     weight_decay: float = option(0.0, "AdamW weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
@@ -180,8 +183,9 @@ class AsyncGRPOConfig(TRLFields):
             self.epsilon_high = self.epsilon
         if self.synchronous and self.schedule_lag is None:
             self.schedule_lag = 0
-        if isinstance(self.chat_template_kwargs, str):
-            self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+        for name in ("chat_template_kwargs", "lr_scheduler_kwargs"):  # JSON, as in TRL
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, json.loads(getattr(self, name)))
         # TRL's names first: a renamed field moves its value to ours before the checks
         problems = [*trl_fields.problems(self), *self._step_problems(),
                     *self._choice_problems(), *self._range_problems()]
@@ -222,11 +226,6 @@ class AsyncGRPOConfig(TRLFields):
             yield "train_sampling_strategy must be 'random' or 'sequential'"
         if self.optim not in ("adamw_torch_fused", "adamw_torch"):
             yield "optim must be 'adamw_torch_fused' or 'adamw_torch'"
-        if self.lr_scheduler_type not in ("constant", "linear"):
-            yield "lr_scheduler_type must be 'constant' or 'linear'"
-        if self.lr_scheduler_type == "linear" and self.max_steps <= 0:
-            yield ("a linear schedule needs max_steps > 0 (the step count of an epoch is not "
-                   "known in advance)")
         if not self.ignore_data_skip:
             yield ("ignore_data_skip=False would replay trained batches: a resume continues "
                    "from rollout_state.json instead; keep it True")
@@ -304,6 +303,7 @@ class AsyncGRPOConfig(TRLFields):
             yield "schedule_lag must be in [0, max_staleness]: its samples are that stale"
         if self.score_centering and self.num_sampler_logprobs < 1:
             yield "score_centering needs num_sampler_logprobs >= 1"
+        yield from schedule.problems(self)
 
     def steps_of(self, name: str) -> int:
         """`logging_steps` or `save_steps` in optimizer steps, resolved when training starts

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import AsyncGRPOConfig
+from .schedule import NEEDS_LENGTH
 
 # Settings a resume may change: where and how often things are written, how long to run, how
 # to reach the server, and memory-only choices. Any other difference makes a checkpoint refuse
@@ -33,6 +34,12 @@ RESUMABLE_CHANGES = LOGGING | frozenset({
     "stall_timeout",
     "ddp_backend", "ddp_timeout",
     "vllm_server_api_key"})  # a secret: never written into a checkpoint
+
+
+# fields this trainer reads since checkpoints were first written: left out of the identity at
+# their default (nothing), so the checkpoints of a run that does not use them keep their bytes
+# (a missing field counts at its default: `refuse_other_run`)
+LATER_FIELDS = frozenset({"lr_scheduler_kwargs"})
 
 
 def _json_like(value):
@@ -62,8 +69,9 @@ def run_identity(args: AsyncGRPOConfig, rows: list[dict], world_size: int = 1,
     """What a resumed run must share with the checkpoint it continues; `world_size`, the
     trainer ranks, when more than one (a step's micro-batches are dealt to them); `sources`,
     the names of the reward functions, tools, environments and rollout loop."""
-    settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES}
-    if args.lr_scheduler_type == "linear" or 0 < args.warmup_steps < 1:
+    settings = {k: v for k, v in args.to_dict().items() if k not in RESUMABLE_CHANGES
+                and not (k in LATER_FIELDS and not v)}
+    if args.lr_scheduler_type in NEEDS_LENGTH or 0 < args.warmup_steps < 1:
         settings["max_steps"] = args.max_steps  # the schedule is a function of it
     if not isinstance(rows, list):  # a stream (rows.StreamRows): read by the worker only
         kind = type(rows.dataset)

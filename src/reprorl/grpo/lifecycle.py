@@ -21,7 +21,7 @@ from reprorl.model import lora
 from reprorl.serve.client import ServerAdmin
 
 from . import callbacks as callbacks_
-from . import checkpoints
+from . import checkpoints, schedule
 from .agents import (
     check_prefix_preserving,
     check_tools,
@@ -106,6 +106,7 @@ class TrainerLifecycle:
             self.args, callbacks_.planned_steps(self.args, epoch_length(self.rows)),
             self.ranks.main)
         self.control = callbacks_.new_control()
+        self.lr_schedule = schedule.multiplier(self.args)  # `schedule.rate`
         if self.ranks.main:
             self.control = self.callback_handler.on_init_end(self.args, self.state,
                                                              self.control)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import checkpoints
+from . import checkpoints, schedule
 from .batching import MicroBatch, record_rows
 from .distributed import RankReport, Setup, StepShare, follow, lead, step_shares
 from .launch import (
@@ -72,16 +71,7 @@ class AsyncGRPOTrainer(TrainerLifecycle):
         return microbatch_loss(self.model, self.args, batch, trained_tokens, self.forward_model)
 
     def _learning_rate(self, step: int) -> float:
-        args = self.args
-        warmup = args.warmup_steps
-        if 0 < warmup < 1:
-            warmup = math.ceil(warmup * max(args.max_steps, 1))
-        if warmup and step < warmup:
-            return args.learning_rate * (step + 1) / warmup
-        if args.lr_scheduler_type == "linear":
-            left = max(0, args.max_steps - step) / max(1, args.max_steps - warmup)
-            return args.learning_rate * left
-        return args.learning_rate
+        return schedule.rate(self.args, self.lr_schedule, step)
 
     # ------------------------------------------------------------ training
 
