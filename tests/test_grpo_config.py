@@ -106,7 +106,7 @@ def test_every_field_of_trls_config_is_honoured_or_refused_by_name():
     answered = honoured | renamed | unread
     assert set(trl) - answered == set(), "fields of TRL's config with no answer here"
     assert set(trl_fields.NAMES) - set(trl) == set(), "answers for fields TRL does not have"
-    assert len(trl) == 142 and (len(honoured), len(renamed), len(unread)) == (54, 3, 85)
+    assert len(trl) == 142 and (len(honoured), len(renamed), len(unread)) == (55, 3, 84)
     for name in trl:  # TRL's declared defaults, but where a departure says why
         spec = ours[name]
         value = spec.default_factory() if spec.default_factory is not dataclasses.MISSING \
@@ -178,5 +178,31 @@ def test_schedules_that_cannot_run_here_are_refused_by_name():
             ({"lr_scheduler_type": "cosine", "max_steps": 5, "lr_scheduler_kwargs": {"power": 2}},
              "lr_scheduler_kwargs do not fit 'cosine'"),
             ({"lr_scheduler_type": "sawtooth"}, "lr_scheduler_type must be one of")):
+        with pytest.raises(ValueError, match=words):
+            AsyncGRPOConfig(output_dir="out", **settings)
+
+
+def test_optimizers_by_trls_names_with_their_optim_args():
+    import torch
+
+    from reprorl.grpo import optimizers
+
+    def built(**settings):
+        args = AsyncGRPOConfig(output_dir="out", learning_rate=0.01, weight_decay=0.1,
+                               **settings)
+        return optimizers.build([torch.nn.Parameter(torch.zeros(2))], args)
+
+    fused = built()
+    assert type(fused) is torch.optim.AdamW and fused.defaults["fused"]
+    sgd = built(optim="sgd", optim_args="momentum=0.9, nesterov=true")
+    assert type(sgd) is torch.optim.SGD and (sgd.defaults["momentum"], sgd.defaults["nesterov"],
+                                             sgd.defaults["weight_decay"]) == (0.9, True, 0.1)
+    rms = built(optim="rmsprop", optim_args="alpha=0.9,centered=1")
+    assert type(rms) is torch.optim.RMSprop and rms.defaults["centered"]
+    assert type(built(optim="adagrad", optim_args="lr_decay=0.5")) is torch.optim.Adagrad
+    for settings, words in (({"optim": "lion"}, "optim must be one of"),
+                            ({"optim": "sgd", "optim_args": "betas=1"}, r"\['betas'\] are not"),
+                            ({"optim_args": "momentum=0.9"}, "adamw_torch_fused, which reads"),
+                            ({"optim": "sgd", "optim_args": "momentum"}, "must read")):
         with pytest.raises(ValueError, match=words):
             AsyncGRPOConfig(output_dir="out", **settings)

@@ -15,7 +15,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from . import schedule, trl_fields
+from . import optimizers, schedule, trl_fields
 from .trl_fields import TRLFields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -83,7 +83,9 @@ class AsyncGRPOConfig(TRLFields):
     train_sampling_strategy: str = option(
         "random", "'random' (a seeded shuffle per epoch) or 'sequential' (dataset order).")
     optim: str = option("adamw_torch_fused", "'adamw_torch_fused' or 'adamw_torch' (the same "
-                        "AdamW, fused kernel or not).")
+                        "AdamW, fused kernel or not), or torch's 'sgd', 'adagrad', 'rmsprop'.")
+    optim_args: str | None = option(
+        None, "sgd/adagrad/rmsprop's arguments as 'key=value,...' (momentum=0.9, ...).")
     gradient_checkpointing: bool = option(
         True, "Recompute the policy's activations in the backward pass to save memory.")
     bf16: bool | None = option(
@@ -224,8 +226,7 @@ class AsyncGRPOConfig(TRLFields):
             yield "ddp_backend must be None, 'gloo' (CPU tensors) or 'nccl' (GPU tensors)"
         if self.train_sampling_strategy not in ("random", "sequential"):
             yield "train_sampling_strategy must be 'random' or 'sequential'"
-        if self.optim not in ("adamw_torch_fused", "adamw_torch"):
-            yield "optim must be 'adamw_torch_fused' or 'adamw_torch'"
+        yield from optimizers.problems(self)
         if not self.ignore_data_skip:
             yield ("ignore_data_skip=False would replay trained batches: a resume continues "
                    "from rollout_state.json instead; keep it True")

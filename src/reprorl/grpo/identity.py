@@ -39,7 +39,7 @@ RESUMABLE_CHANGES = LOGGING | frozenset({
 # fields this trainer reads since checkpoints were first written: left out of the identity at
 # their default (nothing), so the checkpoints of a run that does not use them keep their bytes
 # (a missing field counts at its default: `refuse_other_run`)
-LATER_FIELDS = frozenset({"lr_scheduler_kwargs"})
+LATER_FIELDS = frozenset({"lr_scheduler_kwargs", "optim_args"})
 
 
 def _json_like(value):

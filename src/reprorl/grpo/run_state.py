@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import checkpoints
+from . import checkpoints, optimizers
 from .batching import TokenBudgetBatcher
 from .distributed import Ranks
 from .identity import refuse_other_run, run_identity
@@ -58,10 +58,7 @@ def new_run(model, args, rows, ranks: Ranks, sources: dict, output_dir: Path,
     under `output_dir` when resuming; `sources` (what scores and acts in a rollout, by name)
     is part of the run's identity. Only rank 0 writes metrics and logs the resume."""
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        parameters, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon, weight_decay=args.weight_decay,
-        fused=args.optim == "adamw_torch_fused")
+    optimizer = optimizers.build(parameters, args)
     identity = run_identity(args, rows, ranks.world_size, sources)  # the rows stay
     end = math.ceil(args.num_train_epochs * len(rows)) if args.max_steps <= 0 else None
     # (a stream has max_steps: rows.as_rows)

@@ -53,7 +53,6 @@ NOT_READ: dict[str, dict[str, Any]] = {
         activation_checkpointing=None, activation_checkpointing_kwargs=None),
     "log levels of transformers are left as they are": dict(log_level="passive",
                                                             log_level_replica="warning"),
-    "AdamW takes adam_beta1, adam_beta2, adam_epsilon and weight_decay": dict(optim_args=None),
     "optimizers that target modules (GaLore, APOLLO) are not implemented": dict(
         optim_target_modules=None),
     "the GRPO loss has no labels to smooth": dict(label_smoothing_factor=0.0),
@@ -101,7 +100,7 @@ NOT_READ: dict[str, dict[str, Any]] = {
 }
 # other values that change nothing here (an empty mapping, a False for None, ...)
 ALSO: dict[str, tuple] = {
-    "optim_args": ("",), "label_smoothing_factor": (0,),
+    "label_smoothing_factor": (0,),
     "tf32": (False,), "activation_checkpointing": (False,), "eval_delay": (0.0,),
     "activation_checkpointing_kwargs": ({},), "gradient_checkpointing_kwargs": ({},),
     "log_on_each_node": (False,), "include_num_input_tokens_seen": (False,),
