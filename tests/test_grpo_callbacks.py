@@ -6,6 +6,7 @@ event files, a local trackio project and an offline wandb run, each read back.""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -135,7 +136,10 @@ def test_report_to_writes_tensorboard_trackio_and_offline_wandb(tiny_model, tmp_
     wandb.finish()  # what a script's exit does: the run's records flushed
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
-    history = [h for h in wandb_history(runs[0]) if "train/loss" in h]
+    deadline = time.monotonic() + 30  # wandb's own service may still be writing the file
+    while len(history := [h for h in wandb_history(runs[0]) if "train/loss" in h]) < 2 and (
+            time.monotonic() < deadline):
+        time.sleep(0.2)
     assert [h["train/loss"] for h in history] == pytest.approx([w["loss"] for w in windows])
     assert [h["train/global_step"] for h in history] == [1, 2]
 
@@ -151,6 +155,8 @@ def wandb_history(path: Path) -> list[dict]:
             pos += 32768 - pos % 32768
             continue
         length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):  # a record still being written
+            break
         body, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
         chunk = body if kind in (1, 2) else chunk + body  # full or first; middle or last
         if kind in (1, 4):
