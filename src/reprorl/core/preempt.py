@@ -116,8 +116,7 @@ class Checkpoints:
             due = (self.every and (step - self.last_step >= self.every if self.unit == "steps"
                                    else time.monotonic() - self.last_time >= self.every))
             if due:
-                self.write(state)
-                self.last_step = step
+                self.write(state, step)
             self.stop_if_asked(step, state)
 
     def stop_if_asked(self, step: int, state: Callable[[], dict]) -> None:
@@ -126,20 +125,21 @@ class Checkpoints:
         if not _asked:
             return
         if self.last_step != step:
-            self.write(state)
-            self.last_step = step
+            self.write(state, step)
         name = signal.Signals(_asked[0]).name
         self._log(f"stop {step} {name}")
         raise Preempted(_asked[0], f"{self.stage}: {name} received; checkpoint written after "
                                    f"step {step} in {self.folder}, which a rerun of the same "
                                    "job continues from")
 
-    def write(self, state: Callable[[], dict]) -> None:
-        """A checkpoint now."""
+    def write(self, state: Callable[[], dict], step: int | None = None) -> None:
+        """A checkpoint now (after `step` steps, where the caller counts them)."""
         started = time.monotonic()
         self.folder.mkdir(parents=True, exist_ok=True)
         save_state(self.folder / STATE, state())
         self.last_time = time.monotonic()
+        if step is not None:
+            self.last_step = step
         self.written += 1
         self.writing_s += self.last_time - started
 

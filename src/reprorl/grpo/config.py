@@ -188,6 +188,9 @@ class AsyncGRPOConfig(TRLFields):
         for name in ("chat_template_kwargs", "lr_scheduler_kwargs"):  # JSON, as in TRL
             if isinstance(getattr(self, name), str):
                 setattr(self, name, json.loads(getattr(self, name)))
+        from .callbacks import report_names
+
+        self.report_to = report_names(self.report_to)  # a list, as TrainingArguments makes it
         # TRL's names first: a renamed field moves its value to ours before the checks
         problems = [*trl_fields.problems(self), *self._step_problems(),
                     *self._choice_problems(), *self._range_problems()]
@@ -196,9 +199,6 @@ class AsyncGRPOConfig(TRLFields):
         if self.groups_per_step is None:
             self.groups_per_step = (self.per_device_train_batch_size
                                     * self.gradient_accumulation_steps)
-        from .callbacks import report_names
-
-        self.report_to = report_names(self.report_to)  # a list, as TrainingArguments makes it
 
     def _step_problems(self):
         for name in ("logging_steps", "save_steps"):
@@ -213,10 +213,7 @@ class AsyncGRPOConfig(TRLFields):
     def _choice_problems(self):
         from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-        from .callbacks import report_names
-
-        names = [] if self.report_to in ("all", ["all"]) else report_names(self.report_to)
-        unknown = [n for n in names if n not in INTEGRATION_TO_CALLBACK]
+        unknown = [n for n in self.report_to if n not in INTEGRATION_TO_CALLBACK]
         if unknown:
             yield (f"report_to {unknown} is not an integration: use 'none', 'all' or any of "
                    f"{sorted(INTEGRATION_TO_CALLBACK)}")

@@ -119,9 +119,8 @@ class AsyncGRPOTrainer(TrainerLifecycle):
         checkpoint; returns the summed step losses (`distributed.lead` tells the others)."""
         run, args = self.run, self.args
         self.callback_handler.optimizer = run.optimizer
-        self.state.global_step, self.state.epoch = run.global_step, self._epoch()
-        self.state.num_input_tokens_seen = run.num_tokens
-        self.state.log_history = [dict(r) for r in run.metrics_log.records()]  # a resume's
+        self._update_state()
+        self.state.log_history = run.metrics_log.records()  # a resume's windows before it
         self._event("on_train_begin")
         self._start_processes(run)
         try:
@@ -185,8 +184,7 @@ class AsyncGRPOTrainer(TrainerLifecycle):
             if run.global_step % args.weight_sync_steps == 0:
                 step.sync_s = self._sync(run.version.value + 1)
             self._record_step(step, time.monotonic() - started)
-            self.state.global_step, self.state.epoch = run.global_step, self._epoch()
-            self.state.num_input_tokens_seen = run.num_tokens
+            self._update_state()
             # DefaultFlowCallback asks for a window every logging_steps, a checkpoint every
             # save_steps, and the end at max_steps; the caller's callbacks may change that
             self._event("on_step_end")
@@ -349,6 +347,12 @@ class AsyncGRPOTrainer(TrainerLifecycle):
             return None
         cursor = checkpoints.cursor_state(self.run.ledger, self.run.version.value, self.args)
         return cursor["next_prompt_index"] / epoch_length(self.rows)
+
+    def _update_state(self) -> None:
+        """The run's counters into the `TrainerState` the callbacks read."""
+        run = self.run
+        self.state.global_step, self.state.epoch = run.global_step, self._epoch()
+        self.state.num_input_tokens_seen = run.num_tokens
 
     def _event(self, name: str, **kwargs) -> None:
         """Call every callback's `name` (rank 0 alone), keeping the control they return."""

@@ -40,7 +40,7 @@ from reprorl.core.manifest import (
 )
 from reprorl.core.preempt import SIGNALS
 from reprorl.grpo import AsyncGRPOConfig, AsyncGRPOTrainer, checkpoints
-from reprorl.grpo.callbacks import planned_steps
+from reprorl.grpo.callbacks import planned_steps, report_names
 from reprorl.grpo.distributed import ranks_from_env
 from reprorl.grpo.identity import LOGGING
 from reprorl.grpo.metrics import metrics_file, read_windows, reproducible
@@ -192,11 +192,11 @@ class InRuleCheckpoints:
         if saved is None:
             return None
         self.windows = saved["progress"]["history"]
-        if continued and self.log.exists():
-            records = [r for r in read_windows(self.log) if r["step"] <= step]
-            atomic_write_bytes(metrics_file(self.output_dir), "".join(
-                json.dumps(r, sort_keys=True) + "\n" for r in records).encode())
-            self.skip = len(records)
+        if continued and self.log.exists():  # its lines as the trainer wrote them
+            lines = [line for line in self.log.read_text().splitlines(keepends=True)
+                     if json.loads(line)["step"] <= step]
+            atomic_write_bytes(metrics_file(self.output_dir), "".join(lines).encode())
+            self.skip = len(lines)
         return restore_checkpoint(saved, self.output_dir)
 
     def safe_point(self, step: int, window_end: bool) -> None:
@@ -248,7 +248,7 @@ def train(config: dict, run: str, mode: str, checkpoint_every=None, log=print) -
     initial = roles.learned_identity(actor)
     if server_url is not None:
         settings["vllm_server_base_url"] = server_url
-    if settings.get("report_to") not in (None, "none", [], ["none"]):  # outside output_dir
+    if report_names(settings.get("report_to")):  # its logs outside output_dir
         settings.update(run_name=stage_name, project="reprorl",
                         logging_dir=str(layout.tensorboard_dir(stage_name)))
     args = AsyncGRPOConfig(
