@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from reprorl.core.errors import ReproError
 from reprorl.serve.sampling import sample, sample_many
@@ -18,12 +18,15 @@ from reprorl.serve.sampling import sample, sample_many
 EOS, MAX_LEN = 3, 256
 
 
-def tiny_qwen(seed: int, heads: int = 2, kv_heads: int = 1) -> Qwen2ForCausalLM:
+def tiny_qwen(seed: int, heads: int = 2, kv_heads: int = 1, family: str = "qwen2"):
+    """A random tiny Qwen2, or a Llama of the same size (SmolLM2's family: no q/k/v bias)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, max_position_embeddings=MAX_LEN)
-    return Qwen2ForCausalLM(config).eval()
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config = config_class(vocab_size=64, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=heads,
+                          num_key_value_heads=kv_heads, max_position_embeddings=MAX_LEN)
+    return model_class(config).eval()
 
 
 def random_adapter(name: str, rank: int, switches: dict, generator: torch.Generator):
@@ -173,10 +176,12 @@ def test_spanning_forwards_cover_the_slots_in_use_and_keep_the_bits(model, one_t
     assert not engine.span and not engine.stacked
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(2, 1), (4, 2), (2, 2)])
-def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, heads, kv_heads):
+@pytest.mark.parametrize("family, heads, kv_heads", [
+    ("qwen2", 2, 1), ("qwen2", 4, 2), ("qwen2", 2, 2), ("llama", 4, 2), ("llama", 2, 2)])
+def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, family, heads,
+                                                                 kv_heads):
     """`decode_step.logits` stands in for the model call in the engine's decode forwards of a
-    Qwen2 under SDPA (query heads grouped on one or two key/value heads, or not grouped):
+    Qwen2 or a Llama under SDPA (query heads grouped on one or two key/value heads, or not):
     every forward's logits are the model call's, bit for bit, at every row count and
     attended length a run reaches, with adapters of rank 8 (stacked where `stacks_rank`
     finds it keeps the bits), rank 1 (alone on this project's CPUs) and none beside each
@@ -187,8 +192,8 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, head
     from reprorl.serve.sequence import Sequence
     from reprorl.serve.weights import install_switches
 
-    model = tiny_qwen(3, heads, kv_heads)
-    config = model.config
+    model = tiny_qwen(3, heads, kv_heads, family)
+    config, family_class = model.config, type(model)
     switches = install_switches(model)
     generator = torch.Generator().manual_seed(8)
     loras = [None] + [random_adapter(name, rank, switches, generator)
@@ -224,8 +229,8 @@ def test_a_written_out_decode_step_gives_the_model_calls_logits(one_thread, head
     assert not decode_step.supported(model)
     hook.remove()
     assert decode_step.supported(model)
-    assert not decode_step.supported(type("Wrapped", (Qwen2ForCausalLM,), {})(config))
-    eager = Qwen2ForCausalLM._from_config(config, attn_implementation="eager")  # sets config's
+    assert not decode_step.supported(type("Wrapped", (family_class,), {})(config))
+    eager = family_class._from_config(config, attn_implementation="eager")  # sets config's
     assert not decode_step.supported(eager)
 
 

@@ -81,6 +81,10 @@ def validate(config: Mapping) -> dict:
     _refuse_inconsistent_limits(config["limits"])
     if config["model"]["source"] == "embedded":
         _refuse_impossible_attention(config["model"]["embedded"])
+    if config["model"]["source"] == "wheel" and "wheel" not in config["model"]:
+        raise ConfigError("config key model.wheel: model.source is wheel but model.wheel is not "
+                          "set; name the package, version, file and their sha256 "
+                          "(configs/smollm2-135m.yaml shows them)")
     numerics.refuse_unportable(config)
     return config
 

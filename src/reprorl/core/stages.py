@@ -111,9 +111,10 @@ def exporting_mode(config: dict) -> str:
 
 
 def _base_model(config: dict) -> Files:
-    # the embedded base is built here; a local model is only verified, never declared
+    # the embedded base is built here, a wheel's converted; a local model is only verified,
+    # never declared
     model = {"model": Path(config["model"]["path"])} if (
-        config["model"]["source"] == "embedded") else {}
+        config["model"]["source"] != "local") else {}
     return {"summary": layout.BASE_MODEL_SUMMARY, **model}
 
 

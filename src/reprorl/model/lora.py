@@ -80,10 +80,7 @@ def inject(model: nn.Module, rank: int, alpha: float, seed: int) -> int:
     Adapters are created in sorted module-name order from one generator, so the same seed gives
     the same A matrices on any machine.
     """
-    found = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in TARGETS}
-    layers = model.config.num_hidden_layers
-    if len(found) != layers * len(TARGETS):
-        raise ReproError(f"expected {layers * len(TARGETS)} LoRA targets, found {len(found)}")
+    found = targets(model)
     generator = torch.Generator().manual_seed(seed)
     for name in sorted(found):
         parent, _, child = name.rpartition(".")
@@ -92,6 +89,24 @@ def inject(model: nn.Module, rank: int, alpha: float, seed: int) -> int:
     for name, parameter in model.named_parameters():  # the whole base is frozen, not just W
         parameter.requires_grad_(is_adapter(name))
     return sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+
+
+def targets(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every projection an adapter wraps, by module name; a model whose layers lack one is
+    refused, naming what is missing (the base_model stage asks before any role is built)."""
+    found = {n: m for n, m in model.named_modules() if n.rpartition(".")[2] in TARGETS}
+    layers = model.config.num_hidden_layers
+    if len(found) != layers * len(TARGETS) or not all(
+            isinstance(m, nn.Linear) for m in found.values()):
+        # a family whose layers are not Llama's or Qwen2's (GPT-2's fused c_attn, say)
+        present = {n.rpartition(".")[2] for n, m in found.items() if isinstance(m, nn.Linear)}
+        missing = [t for t in TARGETS if t not in present] or ["one per layer of each"]
+        raise ReproError(
+            f"model type {model.config.model_type!r} cannot take this project's adapters: its "
+            f"{layers} layers lack the linear projections {', '.join(missing)} (found "
+            f"{len(found)} of {layers * len(TARGETS)}); the roles support Llama- and "
+            "Qwen2-family causal LMs")
+    return found
 
 
 def is_adapter(name: str) -> bool:

