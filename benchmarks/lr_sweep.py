@@ -38,10 +38,14 @@ def main() -> None:
         folder = args.scratch / f"lr-{rate:g}"
         if folder.exists():
             shutil.rmtree(folder)
+        folder.mkdir(parents=True)
         for part in PARTS:
             source = ROOT / part
-            copy = shutil.copytree if source.is_dir() else shutil.copy2
-            copy(source, folder / part)
+            if source.is_dir():
+                shutil.copytree(source, folder / part, symlinks=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(source, folder / part)
         started = time.perf_counter()
         subprocess.run(
             [sys.executable, "-m", "snakemake", "--cores", str(args.cores), REPORT,
