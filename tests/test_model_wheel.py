@@ -61,6 +61,11 @@ def test_a_wheel_profile_without_its_pins_is_refused_by_name():
     raw = {"model": {"source": "wheel"}}
     with pytest.raises(ConfigError, match="model.wheel: model.source is wheel"):
         configuration.validate(raw)
+    with pytest.raises(ConfigError, match="model.wheel: it is read only when model.source is "
+                                          "wheel, and model.source is embedded"):
+        configuration.validate({"model": {"source": "embedded", "wheel": spec()}})
+    with pytest.raises(ConfigError, match="sft.epochs: 1 is less than the minimum of 2"):
+        configuration.validate({"sft": {"epochs": 1}})
     raw = {"model": {"source": "wheel", "wheel": {k: v for k, v in spec().items()
                                                    if k != "file_sha256"}}}
     with pytest.raises(ConfigError, match="file_sha256"):
@@ -117,6 +122,7 @@ def test_a_family_the_roles_cannot_adapt_is_refused_when_the_base_is_checked(tmp
         base_model.verify(config)
 
 
+@pytest.mark.timeout(3600)  # 15 minutes alone on 2 cores; the suite's 1500 s is per test
 def test_every_stage_runs_on_the_real_weights_and_every_resume_check_passes(tmp_path):
     """The smoke budget: the whole default target of the SmolLM2 profile (a few updates per
     training stage, the full held-out populations), run by Snakemake as a user runs it."""

@@ -85,6 +85,10 @@ def validate(config: Mapping) -> dict:
         raise ConfigError("config key model.wheel: model.source is wheel but model.wheel is not "
                           "set; name the package, version, file and their sha256 "
                           "(configs/smollm2-135m.yaml shows them)")
+    if config["model"]["source"] != "wheel" and "wheel" in config["model"]:
+        raise ConfigError(f"config key model.wheel: it is read only when model.source is wheel, "
+                          f"and model.source is {config['model']['source']}; remove model.wheel "
+                          "or set model.source: wheel")
     numerics.refuse_unportable(config)
     return config
 

@@ -417,7 +417,7 @@ def verify(config: dict) -> dict:
 
 
 def stage(name: str, config: dict, run, log=print) -> dict:
-    """Stage `base_model`: build (embedded) or verify (local), then summarise."""
+    """Stage `base_model`: build (embedded), convert (wheel) or verify (local), then summarise."""
     directory = Path(config["model"]["path"])
     source = config["model"]["source"]
     if source != "local" and directory.exists() and files_under(directory):

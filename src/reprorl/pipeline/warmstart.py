@@ -54,8 +54,8 @@ VALIDATION = corpus.VALIDATION_PAIRS
 
 
 def load_data(branch: str, tokenizer, limits: dict, settings: dict) -> tuple[list, list]:
-    """Training items and validation pairs (the first `examples`, `pairs` and
-    `validation_pairs` where a profile cuts them), read through the corpus's learning scope."""
+    """Training items and validation pairs (`examples`, `pairs` and `validation_pairs` of them,
+    evenly spaced, where a profile cuts them), read through the corpus's learning scope."""
     def pair(row):
         return (example(tokenizer, row["prompt"], row["chosen"], limits, row["document_id"]),
                 example(tokenizer, row["prompt"], row["rejected"], limits, row["document_id"]))
@@ -73,8 +73,16 @@ def load_data(branch: str, tokenizer, limits: dict, settings: dict) -> tuple[lis
         raise ReproError(f"{branch}: expected {POPULATION[branch]} items and "
                          f"{VALIDATION_PAIRS} validation pairs, found {len(items)}, "
                          f"{len(validation)}")
-    return (items[:settings.get(CUT[branch], len(items))],
-            validation[:settings.get("validation_pairs", len(validation))])
+    return (spread(items, settings.get(CUT[branch])),
+            spread(validation, settings.get("validation_pairs")))
+
+
+def spread(items: list, count: int | None) -> list:
+    """`count` items evenly spaced through the list (all of it when no cut is set): the corpus
+    is written situation by situation, so the first N would hold the first situations only."""
+    if count is None or count >= len(items):
+        return items
+    return [items[i * len(items) // count] for i in range(count)]
 
 
 def epochs(settings: dict, branch: str) -> int:
